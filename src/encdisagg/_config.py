@@ -1,0 +1,204 @@
+"""Typed, frozen, strict configuration.
+
+``EncoderConfig`` validates itself on construction; ``from_mapping`` and ``from_toml`` reject
+unknown keys by name, so a typo in a deployment file fails loudly instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+from ._errors import BadRequestError
+
+__all__ = ["EncoderConfig"]
+
+TRANSFERS = ("zmq", "mooncake", "loopback")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+
+
+def _check_type(name: str, value: object, annotation: object) -> None:
+    """Raise ``BadRequestError`` naming ``name`` if ``value`` does not fit ``annotation``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        errors = []
+        for option in options:
+            try:
+                _check_type(name, value, option)
+            except BadRequestError as exc:
+                errors.append(exc)
+            else:
+                return
+        raise errors[0]
+    if annotation is type(None):
+        if value is not None:
+            raise BadRequestError(f"{name} must be null, got {type(value).__name__}")
+        return
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise BadRequestError(f"{name} must be a list, got {type(value).__name__}")
+        (item_type, _ellipsis) = typing.get_args(annotation)
+        for index, item in enumerate(value):
+            _check_type(f"{name}[{index}]", item, item_type)
+        return
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRequestError(f"{name} must be a number, got {type(value).__name__}")
+        return
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequestError(f"{name} must be an integer, got {type(value).__name__}")
+        return
+    if isinstance(annotation, type) and not isinstance(value, annotation):
+        raise BadRequestError(
+            f"{name} must be of type {annotation.__name__}, got {type(value).__name__}"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncoderConfig:
+    """Configuration of one :class:`~encdisagg.Encoder`.
+
+    Construct it directly (keyword arguments), from a mapping with :meth:`from_mapping`, or from
+    a TOML file with :meth:`from_toml`. Invalid values raise
+    :class:`~encdisagg.BadRequestError` naming the field.
+    """
+
+    #: A built-in model name (``"tiny"``, ``"tiny-qwen2.5-vl"``) or a local checkpoint folder.
+    model: str = "tiny"
+    #: How embeddings leave the encoder: ``"zmq"``, ``"mooncake"`` or ``"loopback"``.
+    transfer: str = "zmq"
+    #: Most requests of one modality fused into one forward.
+    max_batch_size: int = 8
+    #: Bound on waits for a request to exist, be staged, or publish its metadata.
+    request_timeout_s: float = 180.0
+    #: A staged embedding not fully delivered this long after staging is released.
+    send_timeout_s: float = 180.0
+    #: Size of the local prefix (embedding) cache; 0 turns it off.
+    prefix_cache_mb: int = 0
+    #: Bound on staged embedding bytes; over it ``encode`` answers 503. ``None``: unbounded.
+    staged_memory_limit_mb: int | None = None
+    #: How many distinct destinations must receive a request before it is released.
+    default_receive_count: int = 1
+    #: Bound on each shielded cleanup step (deregistration, drain of a transfer's tail).
+    cleanup_timeout_s: float = 10.0
+    #: How long an ``abandon`` for a not-yet-existing id is remembered.
+    abandon_ttl_s: float = 60.0
+    #: Bound on one ZMQ push (a slow or absent receiver fails the send after this).
+    zmq_send_timeout_s: float = 30.0
+    #: Jobs that may wait for the batcher before ``encode`` pushes back.
+    max_queued_jobs: int = 1024
+    #: Worker threads used for preprocessing.
+    preprocess_threads: int = 2
+    #: Torch dtype name of the model and its embeddings (``None``: the model's default).
+    dtype: str | None = None
+    #: Torch device the model runs on.
+    device: str = "cpu"
+    #: Mooncake transport: ``"tcp"`` or ``"rdma"``.
+    mooncake_protocol: str = "tcp"
+    #: Mooncake metadata: ``"P2PHANDSHAKE"`` or a metadata server URL.
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    #: Host name the Mooncake engine advertises.
+    mooncake_host: str = "127.0.0.1"
+    #: RDMA device names for Mooncake (empty: auto).
+    mooncake_device: str = ""
+    #: Largest accepted media item, in bytes.
+    max_media_bytes: int = 64 * 1024 * 1024
+    #: Domains from which http(s) media may be fetched; empty disables remote media.
+    remote_media_domains: tuple[str, ...] = field(default_factory=tuple)
+    #: Global embedding cache (Mooncake Store) URL; ``None`` turns it off.
+    global_cache: str | None = None
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check_type(f.name, value, hints[f.name])
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+        if self.transfer not in TRANSFERS:
+            raise BadRequestError(
+                f"transfer must be one of {', '.join(TRANSFERS)}; got {self.transfer!r}"
+            )
+        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+            raise BadRequestError(
+                f"mooncake_protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}; "
+                f"got {self.mooncake_protocol!r}"
+            )
+        if not self.model:
+            raise BadRequestError("model must be a non-empty name or path")
+        for name in (
+            "max_batch_size",
+            "default_receive_count",
+            "max_queued_jobs",
+            "preprocess_threads",
+            "max_media_bytes",
+        ):
+            if getattr(self, name) < 1:
+                raise BadRequestError(f"{name} must be at least 1; got {getattr(self, name)}")
+        for name in (
+            "request_timeout_s",
+            "send_timeout_s",
+            "cleanup_timeout_s",
+            "abandon_ttl_s",
+            "zmq_send_timeout_s",
+        ):
+            value = getattr(self, name)
+            if not value > 0 or value != value:
+                raise BadRequestError(f"{name} must be a positive number; got {value}")
+        if self.prefix_cache_mb < 0:
+            raise BadRequestError(f"prefix_cache_mb must be 0 or more; got {self.prefix_cache_mb}")
+        if self.staged_memory_limit_mb is not None and self.staged_memory_limit_mb < 1:
+            raise BadRequestError(
+                f"staged_memory_limit_mb must be at least 1 or null; "
+                f"got {self.staged_memory_limit_mb}"
+            )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The names of every configuration field."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None = None, /, **overrides: Any) -> Self:
+        """Build a config from a mapping (plus keyword overrides).
+
+        :raises BadRequestError: naming every unknown key, or the first invalid field.
+        """
+        values = dict(mapping or {})
+        values.update(overrides)
+        known = set(cls.field_names())
+        unknown = sorted(str(key) for key in values if key not in known)
+        if unknown:
+            raise BadRequestError(f"unknown configuration key(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> Self:
+        """Build a config from a TOML file; keys may sit at top level or under ``[encoder]``.
+
+        :raises BadRequestError: if the file is not valid TOML or holds unknown keys.
+        """
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise BadRequestError(f"cannot read configuration file {path}: {exc}") from exc
+        section = data.get("encoder", data)
+        if not isinstance(section, dict):
+            raise BadRequestError(f"[encoder] in {path} must be a table")
+        return cls.from_mapping(section)
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes`` applied (validated like a fresh config)."""
+        return self.from_mapping(self.to_mapping(), **changes)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The config as a plain dict (round-trips through :meth:`from_mapping`)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -1,0 +1,38 @@
+"""The building blocks of the ownership tree.
+
+Free of torch, ZMQ and HTTP; each block is tested on its own, on asyncio and on Trio.
+
+- :func:`run_thread_to_completion`: a worker-thread call that is never abandoned.
+- :class:`OwningScope` / :func:`open_owning_scope`: a task group that owns one resource and
+  releases it exactly once, after all its work ended.
+- :class:`KeyedRendezvous`: bounded waits for a key to be published.
+- :class:`ServiceTaskGroup`: background tasks whose failures are always observed.
+"""
+
+from ._owning import (
+    OwningScope as OwningScope,
+    ReleaseFailedError as ReleaseFailedError,
+    ScopeClosedError as ScopeClosedError,
+    ScopeState as ScopeState,
+    open_owning_scope as open_owning_scope,
+)
+from ._rendezvous import KeyedRendezvous as KeyedRendezvous, KeyRemovedError as KeyRemovedError
+from ._services import FailurePolicy as FailurePolicy, ServiceTaskGroup as ServiceTaskGroup
+from ._threads import run_thread_to_completion as run_thread_to_completion
+
+__all__ = (
+    "run_thread_to_completion",
+    "OwningScope",
+    "ScopeState",
+    "ScopeClosedError",
+    "ReleaseFailedError",
+    "open_owning_scope",
+    "KeyedRendezvous",
+    "KeyRemovedError",
+    "ServiceTaskGroup",
+    "FailurePolicy",
+)
+
+for _name in __all__:
+    globals()[_name].__module__ = __name__
+del _name

@@ -1,0 +1,45 @@
+"""Test-wide fixtures.
+
+Every ``@pytest.mark.anyio`` test runs on asyncio and on Trio. A test also marked
+``@pytest.mark.virtual_time`` runs on Trio alone, with a ``MockClock`` that jumps ahead
+whenever every task is blocked, so multi-minute deadlines pass in microseconds (AnyIO has
+no mock clock for asyncio).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio.testing
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+BACKENDS = ("asyncio", "trio")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "virtual_time: run on Trio alone, with an autojumping MockClock"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "anyio_backend" not in metafunc.fixturenames:
+        return
+    if metafunc.definition.get_closest_marker("virtual_time"):
+        metafunc.parametrize("anyio_backend", ["trio-virtual-time"], indirect=True)
+    elif not any(
+        "anyio_backend" in getattr(mark, "args", ())[:1]
+        for mark in metafunc.definition.iter_markers("parametrize")
+    ):
+        metafunc.parametrize("anyio_backend", BACKENDS, indirect=True)
+
+
+@pytest.fixture
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    name = getattr(request, "param", "asyncio")
+    if name == "trio-virtual-time":
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+    return name
