@@ -1,0 +1,5 @@
+"""Transfer engines and the embedding wire format."""
+
+from ._engine import TransferEngine as TransferEngine
+
+__all__ = ("TransferEngine",)
