@@ -112,6 +112,7 @@ class OwningScope(Generic[T]):
         # reaching into the task group.
         self._active_tasks = 0
         self._cancel_requested = False
+        self._started = False
         #: True once the deadline cancelled the scope's work.
         self.expired = False
 
@@ -246,9 +247,11 @@ class OwningScope(Generic[T]):
         Meant to be started by an owner: ``scope = await owner.start(scope.run)``; the owner
         gets the scope back once the resource is acquired. Runs only once.
         """
-        if self._state is not ScopeState.NEW:
+        if self._started:
             raise RuntimeError(f"{self.name} was already started")
-        self._state = ScopeState.ACQUIRING
+        self._started = True
+        if self._state is ScopeState.NEW:
+            self._state = ScopeState.ACQUIRING
         try:
             self._resource = await self._acquire()
         except BaseException:
@@ -323,7 +326,8 @@ async def open_owning_scope(
     """Open an :class:`OwningScope` around a block.
 
     On leaving the block the scope winds down: work started in it finishes, then the
-    resource is released. If the block raises, the scope's work is cancelled instead.
+    resource is released. If the block raises, the scope's work is cancelled instead, and the
+    error leaves in an ``ExceptionGroup`` (the block runs inside a task group).
     """
     async with anyio.create_task_group() as host:
         scope: OwningScope[T] = OwningScope(

@@ -1,0 +1,129 @@
+"""The public surface: exports, errors, config, command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import encdisagg
+from encdisagg import (
+    BadRequestError,
+    EncdisaggError,
+    EncoderConfig,
+    InternalError,
+    NotFoundError,
+    RequestNotActiveError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+    TransferError,
+)
+from encdisagg._cli import main
+
+
+def test_every_export_exists_and_claims_the_public_module() -> None:
+    for name in encdisagg.__all__:
+        obj = getattr(encdisagg, name)
+        if isinstance(obj, type):
+            assert obj.__module__ == "encdisagg", name
+
+
+@pytest.mark.parametrize(
+    ("cls", "status"),
+    [
+        (EncdisaggError, 500),
+        (BadRequestError, 400),
+        (NotFoundError, 404),
+        (RequestNotActiveError, 409),
+        (RequestTimeoutError, 504),
+        (TransferError, 502),
+        (ServiceUnavailableError, 503),
+        (InternalError, 500),
+    ],
+)
+def test_error_statuses(cls: type[EncdisaggError], status: int) -> None:
+    error = cls("req_id 'x' is unknown", req_id="x")
+    assert error.status == status
+    assert isinstance(error, EncdisaggError)
+    assert str(error) == "req_id 'x' is unknown"
+    assert error.req_id == "x"
+
+
+def test_config_defaults_match_the_contract() -> None:
+    config = EncoderConfig()
+    assert config.model == "tiny"
+    assert config.transfer == "zmq"
+    assert config.max_batch_size == 8
+    assert config.request_timeout_s == 180
+    assert config.send_timeout_s == 180
+    assert config.prefix_cache_mb == 0
+    assert config.staged_memory_limit_mb is None
+    assert config.default_receive_count == 1
+
+
+def test_config_is_frozen() -> None:
+    config = EncoderConfig()
+    with pytest.raises(AttributeError):
+        config.model = "other"  # type: ignore[misc]
+
+
+def test_from_mapping_rejects_unknown_keys_by_name() -> None:
+    with pytest.raises(BadRequestError, match="max_batch, modle"):
+        EncoderConfig.from_mapping({"modle": "tiny", "max_batch": 3})
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"transfer": "carrier-pigeon"}, "transfer"),
+        ({"request_timeout_s": 0}, "request_timeout_s"),
+        ({"request_timeout_s": -1.5}, "request_timeout_s"),
+        ({"send_timeout_s": float("nan")}, "send_timeout_s"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_batch_size": True}, "max_batch_size"),
+        ({"max_batch_size": "8"}, "max_batch_size"),
+        ({"prefix_cache_mb": -1}, "prefix_cache_mb"),
+        ({"staged_memory_limit_mb": 0}, "staged_memory_limit_mb"),
+        ({"default_receive_count": 0}, "default_receive_count"),
+        ({"model": ""}, "model"),
+        ({"mooncake_protocol": "udp"}, "mooncake_protocol"),
+    ],
+)
+def test_invalid_values_name_the_field(changes: dict[str, object], field: str) -> None:
+    with pytest.raises(BadRequestError, match=field):
+        EncoderConfig.from_mapping(changes)
+
+
+def test_config_round_trips_and_reads_toml(tmp_path: Path) -> None:
+    config = EncoderConfig(max_batch_size=4, remote_media_domains=("example.org",))
+    assert EncoderConfig.from_mapping(config.to_mapping()) == config
+    assert config.replace(transfer="loopback").transfer == "loopback"
+    path = tmp_path / "encoder.toml"
+    path.write_text('[encoder]\nmodel = "tiny"\nmax_batch_size = 2\nsend_timeout_s = 5\n')
+    assert EncoderConfig.from_toml(path).max_batch_size == 2
+    path.write_text("[encoder]\nunknown_key = 1\n")
+    with pytest.raises(BadRequestError, match="unknown_key"):
+        EncoderConfig.from_toml(path)
+
+
+def test_cli_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert encdisagg.__version__ in capsys.readouterr().out
+    assert main([]) == 2
+    assert "usage: encdisagg" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "encdisagg", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0
+    assert "encdisagg" in done.stdout
