@@ -87,6 +87,8 @@ class EncoderConfig:
     staged_memory_limit_mb: int | None = None
     #: How many distinct destinations must receive a request before it is released.
     default_receive_count: int = 1
+    #: On shutdown, how long transfers in flight may finish before they are cancelled.
+    shutdown_grace_s: float = 30.0
     #: Bound on each shielded cleanup step (deregistration, drain of a transfer's tail).
     cleanup_timeout_s: float = 10.0
     #: How long an ``abandon`` for a not-yet-existing id is remembered.
