@@ -1,0 +1,88 @@
+"""The decode side: where KV written by prefill ranks lands, and when it may be reused.
+
+The synchronous core (no awaits, driven by a scheduler loop or by property tests):
+
+- :class:`KVPoll`: the states of a request's KV transfer.
+- :class:`MetadataSlotAllocator`, :class:`PageAllocator`: slot and page indices, FIFO reuse,
+  double frees caught.
+- :class:`AbortAckTracker`: drained-acks of aborted requests, per room and generation.
+- :class:`DecodePreallocQueue`: admission to pages and a slot, in order.
+- :class:`DecodeTransferQueue`: one-pass compaction of transferred requests, and deferred
+  release of aborted ones until their prefill ranks drained.
+
+Memory: :class:`KVPagePool` (pages in one registered buffer), :class:`MetadataSlotTable`
+(rows tagged with the writer's room), :class:`PagedKVSink` (commit and release over both).
+
+The async shell: :class:`DecodeKVLeases` hands out :class:`KVLease` scopes whose exit waits,
+shielded and bounded, for the drained-acks fed in through :meth:`DecodeKVLeases.ack`.
+"""
+
+from types import FunctionType as _FunctionType
+
+from ._acks import AbortAckTracker as AbortAckTracker
+from ._drain import DrainAcks as DrainAcks
+from ._leases import (
+    AbortSender as AbortSender,
+    DecodeKVLeases as DecodeKVLeases,
+    KVLease as KVLease,
+    LeaseState as LeaseState,
+)
+from ._pages import PageAllocator as PageAllocator, PageSource as PageSource
+from ._poll import KVPoll as KVPoll
+from ._pool import (
+    KVPagePool as KVPagePool,
+    MetadataSlotTable as MetadataSlotTable,
+    PagedKVSink as PagedKVSink,
+    kv_checksum as kv_checksum,
+)
+from ._prealloc import (
+    DecodePreallocQueue as DecodePreallocQueue,
+    PreallocPass as PreallocPass,
+    PreallocRequest as PreallocRequest,
+    RetractedRequest as RetractedRequest,
+)
+from ._slots import MetadataRow as MetadataRow, MetadataSlotAllocator as MetadataSlotAllocator
+from ._transfer import (
+    CommitStatus as CommitStatus,
+    DecodeRequest as DecodeRequest,
+    DecodeTransferQueue as DecodeTransferQueue,
+    HeldRelease as HeldRelease,
+    KVSink as KVSink,
+)
+
+__all__ = (
+    # synchronous core
+    "KVPoll",
+    "MetadataSlotAllocator",
+    "MetadataRow",
+    "PageAllocator",
+    "PageSource",
+    "AbortAckTracker",
+    "DecodeRequest",
+    "CommitStatus",
+    "KVSink",
+    "HeldRelease",
+    "DecodeTransferQueue",
+    "PreallocRequest",
+    "RetractedRequest",
+    "PreallocPass",
+    "DecodePreallocQueue",
+    # memory
+    "KVPagePool",
+    "MetadataSlotTable",
+    "PagedKVSink",
+    "kv_checksum",
+    # async shell
+    "DrainAcks",
+    "DecodeKVLeases",
+    "KVLease",
+    "LeaseState",
+    "AbortSender",
+)
+
+for _name in __all__:
+    _obj = globals()[_name]
+    # Classes and functions claim the public module; the type alias has no module of its own.
+    if isinstance(_obj, (type, _FunctionType)):
+        _obj.__module__ = __name__
+del _name, _obj, _FunctionType

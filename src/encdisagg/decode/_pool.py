@@ -1,0 +1,325 @@
+"""Decode KV memory: pages in one flat buffer, and the metadata slot table.
+
+Both live in torch CPU (or pinned/device) tensors whose address never changes, so each can be
+registered with a :class:`~encdisagg.transfer.TransferEngine` once and written into by the
+prefill side for as long as it stays registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+
+import anyio
+import torch
+
+from .._errors import InternalError
+from ..nurseries import run_thread_to_completion
+from ..transfer import TransferEngine
+from ._pages import PageAllocator
+from ._slots import MetadataRow
+from ._transfer import CommitStatus, DecodeRequest
+
+__all__ = ["KVPagePool", "MetadataSlotTable", "PagedKVSink", "kv_checksum"]
+
+_log = logging.getLogger("encdisagg.decode")
+
+
+class _Registration:
+    """Registers one fixed memory region with an engine, at most once at a time."""
+
+    __slots__ = ("_engine", "_name")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._engine: TransferEngine | None = None
+
+    @property
+    def engine(self) -> TransferEngine | None:
+        return self._engine
+
+    @asynccontextmanager
+    async def hold(self, engine: TransferEngine, ptr: int, nbytes: int) -> AsyncIterator[None]:
+        if self._engine is not None:
+            raise InternalError(f"{self._name} is registered already")
+        # Registration and deregistration block (they pin memory, talk to the NIC): run them
+        # in worker threads that are never abandoned, so a cancelled caller cannot leave a
+        # registration behind or deregister while the engine still works on it.
+        await run_thread_to_completion(engine.register, ptr, nbytes)
+        self._engine = engine
+        failed: BaseException | None = None
+        try:
+            yield
+        except BaseException as exc:
+            failed = exc
+            raise
+        finally:
+            self._engine = None
+            # Shielded and not bounded: giving up on a deregistration would leave the engine
+            # pointing at memory that is about to be freed.
+            with anyio.CancelScope(shield=True):
+                try:
+                    await run_thread_to_completion(engine.deregister, ptr)
+                except Exception as exc:
+                    if failed is None:
+                        raise
+                    _log.error("deregistering %s failed", self._name, exc_info=exc)
+                    failed.add_note(f"deregistering {self._name} also failed: {exc!r}")
+
+
+def kv_checksum(chunks: Iterable[torch.Tensor]) -> int:
+    """A checksum of the bytes of ``chunks``, in order; never ``0`` (which means "none")."""
+    crc = 0
+    for chunk in chunks:
+        data = chunk.detach().cpu().contiguous().view(torch.uint8).numpy()
+        crc = zlib.crc32(data.data, crc)
+    return crc + 1
+
+
+class KVPagePool:
+    """Fixed-size KV pages carved out of one flat tensor.
+
+    :param num_pages: how many pages.
+    :param page_bytes: the size of one page in bytes (a multiple of ``dtype``'s item size).
+    :param dtype: the element type of the buffer.
+    :param device: where the buffer lives.
+
+    Allocation and freeing are synchronous (see :class:`PageAllocator`); a double free raises
+    :class:`~encdisagg.InternalError`. Register the buffer with an engine for the pool's
+    working life with ``async with pool.registered(engine): ...``, and keep every request that
+    uses the pages inside that block, so the pages are deregistered only after their last
+    writer is gone.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_bytes: int,
+        *,
+        dtype: torch.dtype = torch.uint8,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if page_bytes <= 0 or page_bytes % itemsize:
+            raise ValueError(
+                f"page_bytes must be a positive multiple of {itemsize} for {dtype}, "
+                f"got {page_bytes}"
+            )
+        self._allocator = PageAllocator(num_pages)
+        self.page_bytes = page_bytes
+        self._page_elems = page_bytes // itemsize
+        self.buffer = torch.zeros(num_pages * self._page_elems, dtype=dtype, device=device)
+        self._registration = _Registration(f"KV page pool ({num_pages} x {page_bytes} B)")
+
+    # -- allocation: synchronous ---------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return self._allocator.num_pages
+
+    def available(self) -> int:
+        return self._allocator.available()
+
+    def is_allocated(self, page: int) -> bool:
+        return self._allocator.is_allocated(page)
+
+    def alloc(self, count: int) -> tuple[int, ...] | None:
+        """Take ``count`` pages, or ``None`` (taking none) if fewer are free."""
+        return self._allocator.alloc(count)
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Give ``pages`` back, all or none.
+
+        :raises InternalError: on a double free or an out-of-range page.
+        """
+        self._allocator.free(pages)
+
+    # -- addresses and views -------------------------------------------------------------------
+
+    @property
+    def ptr(self) -> int:
+        """The address of page 0."""
+        return int(self.buffer.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def _check(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise InternalError(f"KV page {page} is out of range [0, {self.num_pages})")
+
+    def page_address(self, page: int) -> int:
+        """The address of ``page``, for a remote writer."""
+        self._check(page)
+        return self.ptr + page * self.page_bytes
+
+    def page(self, page: int) -> torch.Tensor:
+        """A view of ``page``'s elements (writes go to the pool)."""
+        self._check(page)
+        start = page * self._page_elems
+        return self.buffer[start : start + self._page_elems]
+
+    def checksum(self, pages: Iterable[int]) -> int:
+        """:func:`kv_checksum` of ``pages``, in the order given."""
+        return kv_checksum(self.page(page) for page in pages)
+
+    # -- registration --------------------------------------------------------------------------
+
+    @property
+    def registered_with(self) -> TransferEngine | None:
+        """The engine the buffer is registered with right now, if any."""
+        return self._registration.engine
+
+    @asynccontextmanager
+    async def registered(self, engine: TransferEngine) -> AsyncIterator[KVPagePool]:
+        """Register the whole buffer with ``engine`` for the duration of the block.
+
+        Registration runs in a worker thread (a checkpoint; a cancelled caller returns once
+        the engine call is over, and then deregisters). Deregistration on exit is shielded
+        and waits for the engine. A failed deregistration raises
+        :class:`~encdisagg.TransferError` (the engine's), or is attached as a note to the
+        error the block raised.
+
+        :raises InternalError: if the pool is registered already.
+        """
+        async with self._registration.hold(engine, self.ptr, self.nbytes):
+            yield self
+
+
+#: Column of each field in a metadata row. Rows are 8 int64 words (64 bytes, one cache line,
+#: the granularity RDMA writes land with); the last words are spare.
+_ROOM, _FIRST_TOKEN, _CACHED_TOKENS, _CHECKSUM = 0, 1, 2, 3
+_ROW_WORDS = 8
+
+
+class MetadataSlotTable:
+    """The metadata rows the prefill side writes, one per metadata slot.
+
+    Each row carries the writer's room tag, the first output token, how many prompt tokens
+    were cached, and a checksum of the KV pages. Hand :meth:`zero` to
+    :class:`MetadataSlotAllocator` as its ``zero_slot`` so a row is cleared before its slot
+    can be reused.
+    """
+
+    def __init__(self, size: int, *, device: torch.device | str = "cpu") -> None:
+        if size < 0:
+            raise ValueError(f"size must be non-negative, got {size}")
+        self.size = size
+        self.rows = torch.zeros((size, _ROW_WORDS), dtype=torch.int64, device=device)
+        self._registration = _Registration(f"metadata slot table ({size} rows)")
+
+    @property
+    def row_bytes(self) -> int:
+        return _ROW_WORDS * 8
+
+    @property
+    def ptr(self) -> int:
+        return int(self.rows.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.row_bytes
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.size:
+            raise InternalError(f"metadata slot {slot} is out of range [0, {self.size})")
+
+    def row_address(self, slot: int) -> int:
+        """The address of ``slot``'s row, for a remote writer."""
+        self._check(slot)
+        return self.ptr + slot * self.row_bytes
+
+    def write(
+        self,
+        slot: int,
+        *,
+        room: int,
+        first_token_id: int,
+        cached_tokens: int = 0,
+        checksum: int = 0,
+    ) -> None:
+        """Write a row the way the prefill side does (for local writers and tests)."""
+        self._check(slot)
+        row = self.rows[slot]
+        row[_FIRST_TOKEN] = first_token_id
+        row[_CACHED_TOKENS] = cached_tokens
+        row[_CHECKSUM] = checksum
+        # The tag goes last: a reader that sees it sees a complete row.
+        row[_ROOM] = room
+
+    def read(self, slot: int) -> MetadataRow:
+        self._check(slot)
+        room, first_token, cached, checksum = self.rows[slot, :4].tolist()
+        return MetadataRow(
+            room=room, first_token_id=first_token, cached_tokens=cached, checksum=checksum
+        )
+
+    def zero(self, slot: int) -> None:
+        """Clear ``slot``'s row, its room tag above all."""
+        self._check(slot)
+        self.rows[slot].zero_()
+
+    def is_zero(self, slot: int) -> bool:
+        self._check(slot)
+        return not bool(self.rows[slot].any())
+
+    @property
+    def registered_with(self) -> TransferEngine | None:
+        return self._registration.engine
+
+    @asynccontextmanager
+    async def registered(self, engine: TransferEngine) -> AsyncIterator[MetadataSlotTable]:
+        """Register the table with ``engine`` for the block; see :meth:`KVPagePool.registered`."""
+        async with self._registration.hold(engine, self.ptr, self.nbytes):
+            yield self
+
+
+class PagedKVSink:
+    """A :class:`KVSink` over a :class:`KVPagePool` and a :class:`MetadataSlotTable`.
+
+    - ``commit`` reads the request's metadata row: an empty tag is ``NOT_READY``; a tag
+      naming another room, or a checksum that does not match the pages, is ``CORRUPT``;
+      otherwise the row is stored in ``req.metadata`` and the request is ``COMMITTED``.
+    - ``release`` frees the request's pages and empties ``req.pages``, so the same pages are
+      never freed twice through this request.
+    - ``abort`` calls ``on_abort`` (or logs).
+
+    Rooms must be non-zero: ``0`` is the "not landed" tag.
+    """
+
+    def __init__(
+        self,
+        pool: KVPagePool,
+        table: MetadataSlotTable,
+        *,
+        on_abort: Callable[[DecodeRequest, str], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.table = table
+        self._on_abort = on_abort
+
+    def commit(self, req: DecodeRequest) -> CommitStatus:
+        if req.metadata_slot is None or req.metadata_slot < 0:
+            raise InternalError(f"request {req.rid!r} holds no metadata slot", req_id=req.rid)
+        row = self.table.read(req.metadata_slot)
+        if row.room == 0:
+            return CommitStatus.NOT_READY
+        if row.room != req.room:
+            return CommitStatus.CORRUPT
+        if row.checksum and row.checksum != self.pool.checksum(req.pages):
+            return CommitStatus.CORRUPT
+        req.metadata = row
+        return CommitStatus.COMMITTED
+
+    def release(self, req: DecodeRequest) -> None:
+        pages, req.pages = req.pages, ()
+        self.pool.free(pages)
+
+    def abort(self, req: DecodeRequest, message: str) -> None:
+        if self._on_abort is not None:
+            self._on_abort(req, message)
+        else:
+            _log.info("request %r aborted: %s", req.rid, message)

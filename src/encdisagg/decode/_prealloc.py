@@ -1,0 +1,179 @@
+"""The preallocation queue: requests waiting for KV pages and a metadata slot.
+
+Synchronous, like the transfer queue: the scheduler calls it between forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .._errors import BadRequestError
+from ._pages import PageSource
+from ._poll import KVPoll
+from ._slots import MetadataSlotAllocator
+from ._transfer import DecodeRequest, _as_set
+
+__all__ = [
+    "DecodePreallocQueue",
+    "PreallocPass",
+    "PreallocRequest",
+    "RetractedRequest",
+]
+
+
+@dataclass(eq=False, slots=True)
+class PreallocRequest:
+    """A request that has been accepted for decode but holds no pages yet."""
+
+    rid: str
+    room: int
+    #: KV pages it needs for its prompt.
+    num_pages: int
+    #: Prefill ranks that will write its KV.
+    required_acks: int = 1
+
+
+@dataclass(eq=False, slots=True)
+class RetractedRequest:
+    """A running request whose pages were taken back under memory pressure."""
+
+    rid: str
+    #: KV pages it needs to resume.
+    num_pages: int
+    #: The pages it resumed with (empty while retracted).
+    pages: tuple[int, ...] = ()
+
+
+class PreallocPass(NamedTuple):
+    """What one :meth:`DecodePreallocQueue.pop_preallocated` pass did."""
+
+    #: Requests that now hold pages and a metadata slot, ready for the transfer queue.
+    preallocated: list[DecodeRequest]
+    #: Requests removed because their transfer failed before they got any pages.
+    failed: list[PreallocRequest]
+
+
+class DecodePreallocQueue:
+    """Admits requests to KV pages and metadata slots in arrival order.
+
+    :param pages: where KV pages come from.
+    :param slots: the metadata slots.
+
+    Retracted requests come first: while any is waiting, no new request is admitted (they
+    already hold a place in the running batch and would otherwise starve).
+    """
+
+    def __init__(self, *, pages: PageSource, slots: MetadataSlotAllocator) -> None:
+        self.pages = pages
+        self.slots = slots
+        #: Requests waiting for preallocation, in arrival order.
+        self.queue: list[PreallocRequest] = []
+        #: Retracted requests waiting to resume, in retraction order.
+        self.retracted: list[RetractedRequest] = []
+
+    def add(self, req: PreallocRequest) -> None:
+        """Queue ``req``.
+
+        :raises BadRequestError: if it needs more pages than the pool has: it could never be
+            admitted and would block every request behind it.
+        """
+        if req.num_pages > self.pages.num_pages:
+            raise BadRequestError(
+                f"request {req.rid!r} needs {req.num_pages} KV pages, "
+                f"more than the {self.pages.num_pages} there are",
+                req_id=req.rid,
+            )
+        self.queue.append(req)
+
+    def retract(self, req: RetractedRequest) -> None:
+        """Queue a retracted request for resumption (its pages were freed by the caller)."""
+        self.retracted.append(req)
+
+    def _take(self, num_pages: int) -> tuple[tuple[int, ...], int] | None:
+        """Pages and a slot for one request, or neither."""
+        if self.slots.available() < 1:
+            return None
+        pages = self.pages.alloc(num_pages)
+        if pages is None:
+            return None
+        slot = self.slots.alloc()
+        if slot is None:  # pragma: no cover - checked above, and nothing ran in between
+            self.pages.free(pages)
+            return None
+        return tuple(pages), slot
+
+    def pop_preallocated(
+        self,
+        polls: Mapping[str, KVPoll],
+        rids_to_check: Collection[str] | None = None,
+    ) -> PreallocPass:
+        """Give pages and a slot to the requests that are ready and fit, in one pass.
+
+        Only requests whose ``rid`` is in ``rids_to_check`` are examined (all when ``None``).
+        Per examined request, by its poll (a missing poll counts as ``Bootstrapping``):
+
+        - ``Failed``: removed and reported in ``failed``, also after admission stopped;
+        - ``WaitingForInput`` (handshake done): admitted if it fits; the first one that does
+          not fit stops admission for the rest of the pass, so no later request overtakes
+          it;
+        - anything else: stays, and does not stop admission.
+
+        Survivors keep their order.
+        """
+        checked = _as_set(rids_to_check)
+        survivors: list[PreallocRequest] = []
+        preallocated: list[DecodeRequest] = []
+        failed: list[PreallocRequest] = []
+        admitting = not self.retracted
+        for req in self.queue:
+            if checked is not None and req.rid not in checked:
+                survivors.append(req)
+                continue
+            poll = polls.get(req.rid, KVPoll.Bootstrapping)
+            if poll == KVPoll.Failed:
+                failed.append(req)
+                continue
+            if poll != KVPoll.WaitingForInput or not admitting:
+                survivors.append(req)
+                continue
+            pages = self._take(req.num_pages)
+            if pages is None:
+                admitting = False
+                survivors.append(req)
+                continue
+            page_indices, slot = pages
+            preallocated.append(
+                DecodeRequest(req.rid, req.room, slot, req.required_acks, pages=page_indices)
+            )
+        self.queue = survivors
+        return PreallocPass(preallocated, failed)
+
+    def resume_retracted(
+        self, rids_to_check: Collection[str] | None = None
+    ) -> list[RetractedRequest]:
+        """Give pages back to retracted requests in order, in one pass.
+
+        Only requests whose ``rid`` is in ``rids_to_check`` are examined (all when ``None``).
+        The first examined request that does not fit stops the pass; the rest stay, in order.
+
+        :return: the resumed requests, each with its new ``pages``.
+        """
+        checked = _as_set(rids_to_check)
+        survivors: list[RetractedRequest] = []
+        resumed: list[RetractedRequest] = []
+        stopped = False
+        for req in self.retracted:
+            if stopped or (checked is not None and req.rid not in checked):
+                survivors.append(req)
+                continue
+            pages = self.pages.alloc(req.num_pages)
+            if pages is None:
+                stopped = True
+                survivors.append(req)
+                continue
+            req.pages = tuple(pages)
+            resumed.append(req)
+        self.retracted = survivors
+        return resumed

@@ -1,0 +1,357 @@
+"""The transfer queue: decode requests whose KV is being written by the prefill side.
+
+Everything here is synchronous and never awaits: a scheduler loop calls ``pop_transferred``
+and ``resolve_deferred_releases`` between forwards, and the property tests drive it without
+an event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from .._errors import InternalError
+from ._acks import AbortAckTracker
+from ._poll import KVPoll
+from ._slots import MetadataRow, MetadataSlotAllocator
+
+__all__ = [
+    "CommitStatus",
+    "DecodeRequest",
+    "DecodeTransferQueue",
+    "HeldRelease",
+    "KVSink",
+]
+
+_log = logging.getLogger("encdisagg.decode")
+
+
+class CommitStatus(enum.Enum):
+    """What committing a transferred request's KV found."""
+
+    #: The KV and the metadata row are the request's own: it may start decoding.
+    COMMITTED = "committed"
+    #: Every rank reported success, but the metadata row has not landed yet: poll again.
+    NOT_READY = "not_ready"
+    #: The metadata row belongs to another request or fails its checksum: abort.
+    CORRUPT = "corrupt"
+
+
+@dataclass(eq=False, slots=True)
+class DecodeRequest:
+    """One request on the decode side, from preallocation until its KV is committed or freed.
+
+    Mutable and compared by identity: two requests with the same ``rid`` are still two.
+    """
+
+    rid: str
+    #: The bootstrap room: the handle the prefill ranks know this request by.
+    room: int
+    #: The metadata slot the prefill side writes into; ``None`` once it has been freed.
+    metadata_slot: int | None
+    #: How many prefill ranks write into this request's pages, so how many drained-acks
+    #: an abort must collect before the pages are safe to reuse.
+    required_acks: int
+    #: The :class:`AbortAckTracker` generation of the abort sent for this request, if any.
+    generation: int | None = None
+    #: True once an abort was sent to the prefill ranks (their drained-acks will follow).
+    abort_notified: bool = False
+    #: The KV pages preallocated for this request (for sinks that free pages by index).
+    pages: tuple[int, ...] = ()
+    #: The metadata row a sink read when it committed the request.
+    metadata: MetadataRow | None = None
+
+
+class KVSink(Protocol):
+    """Where a :class:`DecodeTransferQueue` hands requests' KV. All calls are synchronous."""
+
+    def commit(self, req: DecodeRequest) -> CommitStatus:
+        """Validate the landed KV and metadata of ``req`` and adopt them for decoding."""
+        ...
+
+    def release(self, req: DecodeRequest) -> None:
+        """Free the KV pages of ``req``. May raise; the queue never calls it twice."""
+        ...
+
+    def abort(self, req: DecodeRequest, message: str) -> None:
+        """Finish ``req`` with an error ``message`` (tell the client)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRelease:
+    """A failed request whose pages are held until its prefill ranks drained."""
+
+    req: DecodeRequest
+    #: The generation whose acks release it.
+    generation: int
+    #: Distinct ranks that must ack, fixed when it was held.
+    required_acks: int
+    #: Clock reading when it was held.
+    held_at: float
+    #: Clock reading after which it is released even without all acks.
+    deadline: float
+
+
+class DecodeTransferQueue:
+    """Requests waiting for their KV, and failed ones whose pages are held back.
+
+    :param kv: commits, releases and aborts requests.
+    :param slots: the metadata slots; each request's slot is freed here, exactly once. Give
+        the allocator a ``zero_slot`` hook so each slot is zeroed before it is freed.
+    :param acks: drained-acks of aborted requests.
+    :param release_timeout_s: how long a held request waits for its acks at most.
+    :param clock: the time source for hold deadlines (seconds, monotonic).
+
+    **Who arms.** The code that sends the abort to the prefill ranks arms the room first
+    (``req.generation = acks.arm(req.room)``), puts the generation into the abort message,
+    and sets ``req.abort_notified`` once the message is out. Arming before sending means an
+    ack that races ahead of the scheduler is still counted. If a request arrives at the hold
+    with ``abort_notified`` set but no ``generation``, the queue adopts the room's current
+    generation when the room is armed and no other held request owns that generation, and
+    otherwise arms the room itself; acks sent before that are lost and the request waits for
+    its deadline.
+    """
+
+    def __init__(
+        self,
+        *,
+        kv: KVSink,
+        slots: MetadataSlotAllocator,
+        acks: AbortAckTracker,
+        release_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not release_timeout_s >= 0:
+            raise ValueError(f"release_timeout_s must be >= 0, got {release_timeout_s!r}")
+        self.kv = kv
+        self.slots = slots
+        self.acks = acks
+        self.release_timeout_s = release_timeout_s
+        self._clock = clock
+        #: Requests whose transfer is pending, in arrival order.
+        self.queue: list[DecodeRequest] = []
+        # Held entries in the order they were held.
+        self._held: list[HeldRelease] = []
+        #: How many ``kv.release`` calls raised (each logged, none retried).
+        self.release_failures = 0
+
+    # -- views ---------------------------------------------------------------------------------
+
+    @property
+    def deferred(self) -> list[DecodeRequest]:
+        """The held requests, oldest first (a snapshot)."""
+        return [entry.req for entry in self._held]
+
+    @property
+    def held(self) -> tuple[HeldRelease, ...]:
+        """The held entries with their generations and deadlines, oldest first."""
+        return tuple(self._held)
+
+    def next_deadline(self) -> float | None:
+        """The earliest hold deadline, or ``None`` if nothing is held."""
+        return min((entry.deadline for entry in self._held), default=None)
+
+    # -- decisions -----------------------------------------------------------------------------
+
+    def add(self, req: DecodeRequest) -> None:
+        """Queue ``req``; its KV transfer is in progress."""
+        self.queue.append(req)
+
+    def pop_transferred(
+        self,
+        polls: Mapping[str, KVPoll],
+        rids_to_check: Collection[str] | None = None,
+    ) -> list[DecodeRequest]:
+        """Take every request whose KV is committed out of the queue, in one pass.
+
+        Only requests whose ``rid`` is in ``rids_to_check`` are examined (all when ``None``);
+        a request missing from ``polls`` counts as still in progress. The survivors keep
+        their order.
+
+        - ``Failed``: ``kv.abort``; then, if the prefill ranks were told
+          (``abort_notified``), the request is held (its pages and slot kept) until
+          :meth:`resolve_deferred_releases` finds it drained or expired; otherwise
+          ``kv.release`` and its slot is freed now.
+        - ``Success``: ``kv.commit``. ``COMMITTED``: returned, slot freed. ``NOT_READY``:
+          stays queued with its slot. ``CORRUPT``: ``kv.abort``, ``kv.release``, slot freed.
+        - Anything else: stays queued.
+
+        A sink call that raises is logged and treated as the safest outcome (a raising
+        ``commit`` counts as ``CORRUPT``); the pass goes on.
+
+        :return: the committed requests, in queue order.
+        """
+        checked = _as_set(rids_to_check)
+        queue = self.queue
+        survivors: list[DecodeRequest] = []
+        transferred: list[DecodeRequest] = []
+        done = 0
+        try:
+            for req in queue:
+                done += 1
+                if checked is not None and req.rid not in checked:
+                    survivors.append(req)
+                    continue
+                poll = polls.get(req.rid)
+                if poll == KVPoll.Failed:
+                    self._abort(req, f"KV transfer of request {req.rid!r} failed")
+                    if req.abort_notified:
+                        self._hold(req)
+                    else:
+                        self._release(req)
+                elif poll == KVPoll.Success:
+                    status = self._commit(req)
+                    if status is CommitStatus.COMMITTED:
+                        self._free_slot(req)
+                        transferred.append(req)
+                    elif status is CommitStatus.NOT_READY:
+                        survivors.append(req)
+                    else:
+                        self._abort(
+                            req,
+                            f"KV metadata of request {req.rid!r} (room {req.room}) is not its "
+                            "own: corrupt or a slot collision",
+                        )
+                        self._release(req)
+                else:
+                    survivors.append(req)
+        finally:
+            # Keep the queue consistent even if an invariant check raised mid-pass: what was
+            # decided stays decided, what was not reached stays queued in order.
+            survivors.extend(queue[done:])
+            self.queue = survivors
+        return transferred
+
+    def resolve_deferred_releases(self) -> list[DecodeRequest]:
+        """Release every held request that is drained or past its deadline.
+
+        A held request is released once ``required_acks`` distinct ranks acked its
+        generation, or once ``release_timeout_s`` passed since it was held (logged as a
+        warning: the pages are reused although a write might still land). Releasing calls
+        ``kv.release``, zeroes and frees the metadata slot, and clears the room's acks. A
+        ``kv.release`` that raises is logged and its entry dropped, never retried (the pages
+        may be half freed; freeing again could free someone else's); the others still
+        resolve.
+
+        :return: the requests released without error, in the order they were held.
+        """
+        if not self._held:
+            return []
+        now = self._clock()
+        due: list[tuple[HeldRelease, bool]] = []
+        keep: list[HeldRelease] = []
+        for entry in self._held:
+            drained = self.acks.is_release_safe(
+                entry.req.room, entry.required_acks, generation=entry.generation
+            )
+            if drained or now >= entry.deadline:
+                due.append((entry, drained))
+            else:
+                keep.append(entry)
+        # Commit the survivors before releasing anything: whatever a release does, no
+        # entry can be released twice.
+        self._held = keep
+        released: list[DecodeRequest] = []
+        for entry, drained in due:
+            if not drained:
+                _log.warning(
+                    "releasing KV of request %r (room %d) after %.1f s with %d of %d "
+                    "drained-acks: a late write could still land",
+                    entry.req.rid,
+                    entry.req.room,
+                    now - entry.held_at,
+                    len(self.acks.acked_ranks(entry.req.room))
+                    if self.acks.generation(entry.req.room) == entry.generation
+                    else 0,
+                    entry.required_acks,
+                )
+            if self._release(entry.req):
+                released.append(entry.req)
+        return released
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _hold(self, req: DecodeRequest) -> None:
+        generation = req.generation
+        if generation is None:
+            generation = self._adopt_or_arm(req.room)
+            req.generation = generation
+        now = self._clock()
+        self._held.append(
+            HeldRelease(
+                req=req,
+                generation=generation,
+                required_acks=req.required_acks,
+                held_at=now,
+                deadline=now + self.release_timeout_s,
+            )
+        )
+
+    def _adopt_or_arm(self, room: int) -> int:
+        current = self.acks.generation(room)
+        if current is not None and not any(
+            entry.req.room == room and entry.generation == current for entry in self._held
+        ):
+            return current
+        _log.warning(
+            "room %d was not armed before its abort was sent; acks sent so far are lost", room
+        )
+        return self.acks.arm(room)
+
+    def _commit(self, req: DecodeRequest) -> CommitStatus:
+        try:
+            return self.kv.commit(req)
+        except Exception:
+            _log.exception("committing KV of request %r raised; aborting it", req.rid)
+            return CommitStatus.CORRUPT
+
+    def _abort(self, req: DecodeRequest, message: str) -> None:
+        try:
+            self.kv.abort(req, message)
+        except Exception:
+            _log.exception("aborting request %r raised", req.rid)
+
+    def _release(self, req: DecodeRequest) -> bool:
+        """Release pages, slot and ack state of ``req``; False if ``kv.release`` raised."""
+        ok = True
+        try:
+            self.kv.release(req)
+        except Exception:
+            ok = False
+            self.release_failures += 1
+            _log.exception("releasing KV of request %r raised; not retried", req.rid)
+        self._free_slot(req)
+        if req.generation is not None:
+            self.acks.clear(req.room, generation=req.generation)
+        return ok
+
+    def _free_slot(self, req: DecodeRequest) -> None:
+        slot = req.metadata_slot
+        # A negative index means "no slot", the way some callers spell it.
+        if slot is None or slot < 0:
+            return
+        # Forget the slot first: whatever happens below, this request never frees it again
+        # (once freed, the index may belong to someone else).
+        req.metadata_slot = None
+        try:
+            self.slots.free(slot)
+        except InternalError:
+            raise
+        except Exception:
+            _log.exception(
+                "zeroing metadata slot %d of request %r failed; the slot is leaked, not reused",
+                slot,
+                req.rid,
+            )
+
+
+def _as_set(rids: Collection[str] | None) -> Collection[str] | None:
+    if rids is None or isinstance(rids, (set, frozenset)):
+        return rids
+    # A list would make every membership test a scan.
+    return frozenset(rids)
