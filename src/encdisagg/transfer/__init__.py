@@ -1,5 +1,55 @@
-"""Transfer engines and the embedding wire format."""
+"""Transfer engines and the embedding wire format.
+
+- :class:`TransferEngine`: the protocol the Encoder moves registered memory with;
+  :class:`LoopbackEngine` (in-process) and :class:`MooncakeEngine` implement it.
+- The embedding push format (DESIGN §5.2): :class:`EmbeddingHeader`, :func:`encode_header`,
+  :func:`decode_header` and the payload helpers.
+- ZMQ push and pull that work on asyncio and Trio: :class:`ZmqPushPool`, :class:`ZmqReceiver`.
+"""
 
 from ._engine import TransferEngine as TransferEngine
+from ._loopback import LoopbackEngine as LoopbackEngine, LoopbackFabric as LoopbackFabric
+from ._mooncake import MooncakeEngine as MooncakeEngine
+from ._wire import (
+    MAX_HEADER_BYTES as MAX_HEADER_BYTES,
+    WIRE_VERSION as WIRE_VERSION,
+    EmbeddingHeader as EmbeddingHeader,
+    decode_header as decode_header,
+    dtype_name as dtype_name,
+    encode_header as encode_header,
+    payload_nbytes as payload_nbytes,
+    payload_view as payload_view,
+    tensor_from_frame as tensor_from_frame,
+    torch_dtype as torch_dtype,
+)
+from ._zmq import (
+    ReceivedPart as ReceivedPart,
+    ZmqPushPool as ZmqPushPool,
+    ZmqReceiver as ZmqReceiver,
+)
 
-__all__ = ("TransferEngine",)
+__all__ = (
+    "TransferEngine",
+    "LoopbackEngine",
+    "LoopbackFabric",
+    "MooncakeEngine",
+    "WIRE_VERSION",
+    "MAX_HEADER_BYTES",
+    "EmbeddingHeader",
+    "encode_header",
+    "decode_header",
+    "payload_nbytes",
+    "payload_view",
+    "tensor_from_frame",
+    "dtype_name",
+    "torch_dtype",
+    "ReceivedPart",
+    "ZmqPushPool",
+    "ZmqReceiver",
+)
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if hasattr(_obj, "__module__") and not isinstance(_obj, int):
+        _obj.__module__ = __name__
+del _name, _obj

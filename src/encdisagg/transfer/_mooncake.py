@@ -1,0 +1,259 @@
+"""The Mooncake transfer engine (TCP or RDMA), wrapped as a :class:`TransferEngine`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncGenerator
+from contextlib import asynccontextmanager
+from typing import Protocol, cast, final
+
+import anyio
+import anyio.to_thread
+
+from .._errors import TransferError
+from ..nurseries import run_thread_to_completion
+from ._regions import RegionTable, check_range
+
+__all__ = ["MooncakeEngine"]
+
+logger = logging.getLogger(__name__)
+
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+
+
+class _MooncakeApi(Protocol):
+    """The part of ``mooncake.engine.TransferEngine`` (pybind) that is used here.
+
+    Every call returns an int rc: 0 is success, anything else a failure. None raises.
+    """
+
+    def initialize(
+        self, local_hostname: str, metadata_server: str, protocol: str, device_name: str, /
+    ) -> int: ...
+    def get_rpc_port(self) -> int: ...
+    def register_memory(self, buffer_addr: int, capacity: int, /) -> int: ...
+    def unregister_memory(self, buffer_addr: int, /) -> int: ...
+    def transfer_sync_write(
+        self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, /
+    ) -> int: ...
+
+
+def _create_mooncake() -> _MooncakeApi:
+    try:
+        from mooncake.engine import TransferEngine as _Engine
+    except ImportError as exc:
+        raise ImportError(
+            "MooncakeEngine needs the Mooncake transfer engine: install "
+            "'encdisagg[mooncake-cpu]' (and the system library libibverbs1) on CPU hosts, or "
+            f"'encdisagg[mooncake]' on CUDA hosts. Importing it failed: {exc}"
+        ) from exc
+    return cast(_MooncakeApi, _Engine())
+
+
+@final
+class MooncakeEngine(anyio.AsyncContextManagerMixin):
+    """A :class:`~encdisagg.transfer.TransferEngine` over Mooncake's transfer engine.
+
+    Use it as ``async with MooncakeEngine(...) as engine:``. Entering imports Mooncake and
+    initializes the engine in a worker thread (a checkpoint; a cancelled start still stops
+    what it started). Exiting deregisters whatever is still registered and drops the engine,
+    in a shielded worker-thread call bounded by ``close_timeout_s``.
+
+    :meth:`register`, :meth:`deregister` and :meth:`write` block and are thread-safe; call
+    them from worker threads. Every Mooncake rc other than 0 raises
+    :class:`~encdisagg.TransferError` naming the call and the rc. Besides Mooncake's own
+    checks, :meth:`write` also requires its local range to lie in a region registered here:
+    Mooncake's TCP transport does not check that, RDMA does.
+
+    :param hostname: the local host (``"host"`` or ``"host:port"``) given to Mooncake.
+    :param metadata_server: ``"P2PHANDSHAKE"`` (no metadata server) or the metadata server's
+        URL, e.g. ``"http://host:port/metadata"``.
+    :param protocol: ``"tcp"`` or ``"rdma"``.
+    :param device_name: RDMA device(s); empty for TCP.
+    :param close_timeout_s: the bound on deregistering leftovers at exit.
+    """
+
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        metadata_server: str = P2P_HANDSHAKE,
+        protocol: str = "tcp",
+        device_name: str = "",
+        *,
+        close_timeout_s: float = 10.0,
+    ) -> None:
+        self._hostname = hostname
+        self._metadata_server = metadata_server
+        self._protocol = protocol
+        self._device_name = device_name
+        self._close_timeout_s = close_timeout_s
+        self._lock = threading.Lock()
+        # Guarded by _lock. _engine is set while the engine runs. _used turns True when the
+        # context is first entered (an engine starts once), _closed when it is left.
+        self._engine: _MooncakeApi | None = None
+        self._session_id: str | None = None
+        self._used = False
+        self._closed = False
+        self._regions = RegionTable()
+
+    @property
+    def session_id(self) -> str:
+        """How peers address this engine: ``"host:rpc_port"`` in P2PHANDSHAKE mode, else the
+        ``hostname`` given to Mooncake.
+
+        :raises TransferError: if the engine is not running.
+        """
+        with self._lock:
+            self._require("session_id")
+            assert self._session_id is not None
+            return self._session_id
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Register ``nbytes`` at ``ptr`` with Mooncake. Blocks.
+
+        :raises TransferError: for ``nbytes <= 0``, a bad address, an overlap with (or a repeat
+            of) a registered region, a failing rc, or an engine that is not running.
+        """
+        call = "mooncake register_memory"
+        check_range(call, "ptr", ptr, nbytes)
+        with self._lock:
+            engine = self._require(call)
+            clash = self._regions.overlapping(ptr, nbytes)
+            if clash is not None:
+                raise TransferError(
+                    f"{call} of {ptr:#x} ({nbytes} bytes): overlaps the registered region "
+                    f"{clash[0]:#x} ({clash[1]} bytes)"
+                )
+            rc = engine.register_memory(ptr, nbytes)
+            if rc != 0:
+                raise TransferError(f"{call} of {ptr:#x} ({nbytes} bytes) failed (rc={rc})")
+            self._regions.add(ptr, nbytes)
+
+    def deregister(self, ptr: int) -> None:
+        """Deregister the region registered at ``ptr``. Blocks.
+
+        A region whose deregistration fails stays recorded, so a retry (or the engine's exit)
+        tries again.
+
+        :raises TransferError: if no region starts at ``ptr`` (also after it was deregistered),
+            for a failing rc, or an engine that is not running.
+        """
+        call = "mooncake unregister_memory"
+        with self._lock:
+            engine = self._require(call)
+            if type(ptr) is not int or ptr not in self._regions:
+                raise TransferError(f"{call} of {ptr!r}: not registered")
+            rc = engine.unregister_memory(ptr)
+            if rc != 0:
+                raise TransferError(f"{call} of {ptr:#x} failed (rc={rc})")
+            self._regions.remove(ptr)
+
+    def write(self, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
+        """Write ``nbytes`` from ``local_ptr`` into ``remote_ptr`` of ``target_session``.
+
+        Blocks until Mooncake reports the transfer done (``transfer_sync_write``); the GIL is
+        released meanwhile.
+
+        :raises TransferError: naming the call, the target and the rc when Mooncake fails (an
+            unreachable session, a remote range outside the peer's registered memory), and
+            for a local range outside this engine's registered regions.
+        """
+        call = f"mooncake transfer_sync_write to {target_session}"
+        if not isinstance(target_session, str) or not target_session:
+            raise TransferError(f"{call}: target_session must be a non-empty str")
+        check_range(call, "local_ptr", local_ptr, nbytes)
+        check_range(call, "remote_ptr", remote_ptr, nbytes)
+        with self._lock:
+            engine = self._require(call)
+            if not self._regions.covers(local_ptr, nbytes):
+                raise TransferError(
+                    f"{call}: local range {local_ptr:#x}+{nbytes} is not inside a registered region"
+                )
+        # Outside the lock: transfers run concurrently. Keeping the region registered until
+        # this returns is the caller's job (its owning scope deregisters after draining).
+        rc = engine.transfer_sync_write(target_session, local_ptr, remote_ptr, nbytes)
+        if rc != 0:
+            raise TransferError(f"{call} failed (rc={rc})")
+
+    def registered_regions(self) -> int:
+        """How many regions are registered now."""
+        with self._lock:
+            return len(self._regions)
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[MooncakeEngine]:
+        with self._lock:
+            if self._used:
+                raise TransferError("a MooncakeEngine starts once; create a new one")
+            self._used = True
+        try:
+            await run_thread_to_completion(self._start)
+            yield self
+        finally:
+            with anyio.move_on_after(self._close_timeout_s, shield=True) as scope:
+                # Abandoning on the deadline is what bounds the exit: a hung Mooncake call
+                # must not hang shutdown. The engine is already detached at that point.
+                await anyio.to_thread.run_sync(self._stop, abandon_on_cancel=True)
+            if scope.cancelled_caught:
+                logger.error(
+                    "MooncakeEngine %s: closing did not finish within %s s",
+                    self._session_id,
+                    self._close_timeout_s,
+                )
+
+    def _start(self) -> None:
+        engine = _create_mooncake()
+        rc = engine.initialize(
+            self._hostname, self._metadata_server, self._protocol, self._device_name
+        )
+        if rc != 0:
+            raise TransferError(
+                f"mooncake initialize of {self._hostname} ({self._protocol}, "
+                f"{self._metadata_server}) failed (rc={rc})"
+            )
+        if self._metadata_server == P2P_HANDSHAKE:
+            host, _, port = self._hostname.rpartition(":")
+            host = host if host and port.isdigit() else self._hostname
+            session_id = f"{host}:{engine.get_rpc_port()}"
+        else:
+            session_id = self._hostname
+        with self._lock:
+            self._engine = engine
+            self._session_id = session_id
+
+    def _stop(self) -> None:
+        with self._lock:
+            engine, self._engine = self._engine, None
+            self._closed = True
+            leftovers = self._regions.items()
+            self._regions.clear()
+        if engine is None:
+            return
+        for ptr, nbytes in leftovers:
+            rc = engine.unregister_memory(ptr)
+            if rc != 0:
+                logger.error(
+                    "MooncakeEngine %s: unregister_memory of %#x (%d bytes) failed at exit (rc=%d)",
+                    self._session_id,
+                    ptr,
+                    nbytes,
+                    rc,
+                )
+        # Dropping the last reference here, in the worker thread, lets Mooncake join its
+        # threads (about a second) off the event loop.
+        del engine
+
+    def _require(self, call: str) -> _MooncakeApi:
+        if self._engine is None:
+            if self._closed:
+                state = "closed"
+            elif self._used:
+                state = "starting"
+            else:
+                state = "not started (use 'async with')"
+            raise TransferError(f"{call}: the MooncakeEngine is {state}")
+        return self._engine
+
+    def __repr__(self) -> str:
+        return f"<MooncakeEngine {self._session_id or self._hostname} regions={len(self._regions)}>"

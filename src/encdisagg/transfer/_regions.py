@@ -1,0 +1,85 @@
+"""Bookkeeping of registered memory ranges, shared by the engines."""
+
+from __future__ import annotations
+
+from bisect import bisect_right, insort
+from typing import final
+
+from .._errors import TransferError
+
+__all__ = ["RegionTable", "check_range"]
+
+
+def check_range(call: str, field: str, ptr: object, nbytes: object) -> tuple[int, int]:
+    """Validate an address and a length given to ``call``.
+
+    :raises TransferError: naming ``call`` and ``field`` if ``ptr`` is not a positive int or
+        ``nbytes`` not a positive int (bools are rejected).
+    """
+    if type(ptr) is not int or ptr <= 0:
+        raise TransferError(f"{call}: {field} must be a positive address; got {ptr!r}")
+    if type(nbytes) is not int or nbytes <= 0:
+        raise TransferError(f"{call}: nbytes must be a positive int; got {nbytes!r}")
+    return ptr, nbytes
+
+
+@final
+class RegionTable:
+    """Registered ranges of one engine, keyed by start address; no two overlap.
+
+    Not thread-safe: the owning engine guards it with its lock.
+    """
+
+    __slots__ = ("_sizes", "_starts")
+
+    def __init__(self) -> None:
+        # Invariant: _starts is sorted, holds exactly the keys of _sizes, and the ranges
+        # [start, start + size) are pairwise disjoint.
+        self._starts: list[int] = []
+        self._sizes: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __contains__(self, ptr: object) -> bool:
+        return ptr in self._sizes
+
+    def overlapping(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
+        """The registered ``(start, nbytes)`` that overlaps ``[ptr, ptr + nbytes)``, if any."""
+        i = bisect_right(self._starts, ptr)
+        if i > 0:
+            start = self._starts[i - 1]
+            if start + self._sizes[start] > ptr:
+                return start, self._sizes[start]
+        if i < len(self._starts):
+            start = self._starts[i]
+            if start < ptr + nbytes:
+                return start, self._sizes[start]
+        return None
+
+    def covers(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies inside one registered range."""
+        i = bisect_right(self._starts, ptr)
+        if i == 0:
+            return False
+        start = self._starts[i - 1]
+        return ptr + nbytes <= start + self._sizes[start]
+
+    def add(self, ptr: int, nbytes: int) -> None:
+        """Record a range; the caller checked :meth:`overlapping` first."""
+        insort(self._starts, ptr)
+        self._sizes[ptr] = nbytes
+
+    def remove(self, ptr: int) -> int:
+        """Forget the range starting at ``ptr`` and return its length (``KeyError`` if none)."""
+        nbytes = self._sizes.pop(ptr)
+        del self._starts[bisect_right(self._starts, ptr) - 1]
+        return nbytes
+
+    def items(self) -> list[tuple[int, int]]:
+        """``(start, nbytes)`` of every range, by address."""
+        return [(start, self._sizes[start]) for start in self._starts]
+
+    def clear(self) -> None:
+        self._starts.clear()
+        self._sizes.clear()

@@ -1,0 +1,313 @@
+"""The embedding push wire format: a msgpack header frame, then the raw tensor bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Final
+
+import msgpack
+import torch
+
+from .._errors import BadRequestError
+from .._modality import Modality
+
+__all__ = [
+    "WIRE_VERSION",
+    "MAX_HEADER_BYTES",
+    "EmbeddingHeader",
+    "encode_header",
+    "decode_header",
+    "payload_nbytes",
+    "payload_view",
+    "tensor_from_frame",
+    "dtype_name",
+    "torch_dtype",
+]
+
+WIRE_VERSION: Final = 1
+
+#: Header frames longer than this are rejected before msgpack sees them.
+MAX_HEADER_BYTES: Final = 1 << 20
+
+_DTYPES: Final[Mapping[str, torch.dtype]] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+_NAMES: Final[Mapping[torch.dtype, str]] = {dtype: name for name, dtype in _DTYPES.items()}
+_MODALITIES: Final = frozenset(m.value for m in Modality)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of ``dtype``: ``torch.float16`` → ``"float16"``.
+
+    :raises BadRequestError: for a dtype the wire format does not carry.
+    """
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise BadRequestError(
+            f"dtype {dtype} cannot be sent; use one of {', '.join(_DTYPES)}"
+        ) from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire name: ``"float16"`` → ``torch.float16``.
+
+    :raises BadRequestError: for an unknown name.
+    """
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise BadRequestError(
+            f"embedding header field 'dtype' must be one of {', '.join(_DTYPES)}; got {name!r}"
+        ) from None
+
+
+def _bad(field: str, requirement: str, value: object) -> BadRequestError:
+    return BadRequestError(
+        f"embedding header field {field!r} must be {requirement}; got {_short(value)}"
+    )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(field: str, value: object, minimum: int = 0) -> None:
+    # Exact type: bools are ints to Python, never to this format.
+    if type(value) is not int or value < minimum:
+        raise _bad(field, f"an int >= {minimum}", value)
+
+
+def _str(field: str, value: object) -> None:
+    if type(value) is not str or not value:
+        raise _bad(field, "a non-empty str", value)
+
+
+def _ints(field: str, value: object, length: int | None = None) -> None:
+    requirement = "an array of ints >= 0" if length is None else f"an array of {length} ints >= 0"
+    if type(value) is not tuple or (length is not None and len(value) != length):
+        raise _bad(field, requirement, value)
+    for item in value:
+        if type(item) is not int or item < 0:
+            raise _bad(field, requirement, value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EmbeddingHeader:
+    """Frame 0 of an embedding push (DESIGN §5.2); validated on construction.
+
+    A data part describes the C-contiguous ``shape`` tensor of ``dtype`` in frame 1. An error
+    part carries ``error`` and ``status`` together and has no frame 1.
+
+    :raises BadRequestError: naming the first invalid field.
+    """
+
+    v: int = WIRE_VERSION
+    req_id: str
+    num_parts: int
+    part_idx: int
+    modality: str
+    shape: tuple[int, int]
+    dtype: str
+    token_counts: tuple[int, ...]
+    grid: tuple[tuple[int, ...], ...]
+    error: str | None = None
+    status: int | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.v) is not int or self.v != WIRE_VERSION:
+            raise _bad("v", f"{WIRE_VERSION} (the only wire version)", self.v)
+        _str("req_id", self.req_id)
+        _int("num_parts", self.num_parts, minimum=1)
+        _int("part_idx", self.part_idx)
+        if self.part_idx >= self.num_parts:
+            raise _bad("part_idx", f"in [0, num_parts={self.num_parts})", self.part_idx)
+        if type(self.modality) is not str or self.modality not in _MODALITIES:
+            raise _bad("modality", f"one of {', '.join(sorted(_MODALITIES))}", self.modality)
+        _ints("shape", self.shape, length=2)
+        if type(self.dtype) is not str or self.dtype not in _DTYPES:
+            raise _bad("dtype", f"one of {', '.join(_DTYPES)}", self.dtype)
+        _ints("token_counts", self.token_counts)
+        if type(self.grid) is not tuple:
+            raise _bad("grid", "an array of arrays of ints >= 0", self.grid)
+        for item in self.grid:
+            _ints("grid", item)
+        if (self.error is None) != (self.status is None):
+            raise BadRequestError(
+                "embedding header fields 'error' and 'status' must be given together",
+                req_id=self.req_id,
+            )
+        if self.error is not None:
+            _str("error", self.error)
+            if type(self.status) is not int or not 400 <= self.status <= 599:
+                raise _bad("status", "an HTTP error status (400-599)", self.status)
+        elif sum(self.token_counts) != self.shape[0]:
+            raise BadRequestError(
+                f"embedding header of req_id {self.req_id!r}: token_counts sum to "
+                f"{sum(self.token_counts)}, but shape has {self.shape[0]} tokens",
+                req_id=self.req_id,
+            )
+
+    @property
+    def is_error(self) -> bool:
+        """Whether this is an error part (no payload frame)."""
+        return self.error is not None
+
+
+_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(EmbeddingHeader))
+_REQUIRED: Final = frozenset(
+    f.name
+    for f in dataclasses.fields(EmbeddingHeader)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+) | {"v"}
+_ERROR_FIELDS: Final = ("error", "status")
+
+
+def encode_header(header: EmbeddingHeader) -> bytes:
+    """Frame 0 for ``header``: a msgpack map; ``error``/``status`` only for an error part."""
+    fields: dict[str, Any] = {
+        "v": header.v,
+        "req_id": header.req_id,
+        "num_parts": header.num_parts,
+        "part_idx": header.part_idx,
+        "modality": header.modality,
+        "shape": list(header.shape),
+        "dtype": header.dtype,
+        "token_counts": list(header.token_counts),
+        "grid": [list(g) for g in header.grid],
+    }
+    if header.error is not None:
+        fields["error"] = header.error
+        fields["status"] = header.status
+    packed: bytes = msgpack.packb(fields, use_bin_type=True)
+    return packed
+
+
+def _no_ext(code: int, data: bytes) -> object:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> EmbeddingHeader:
+    """Parse and validate frame 0. Never unpickles, never builds anything but plain values.
+
+    :raises BadRequestError: for anything but a valid header: undecodable msgpack, trailing
+        bytes, extension types, a non-map, missing or unknown fields, wrong types (bools are
+        not ints), negative sizes, ``part_idx`` outside ``[0, num_parts)``, an unknown dtype
+        or modality, or a wrong version; the message names the field.
+    """
+    if len(data) > MAX_HEADER_BYTES:
+        raise BadRequestError(
+            f"embedding header is {len(data)} bytes; the limit is {MAX_HEADER_BYTES}"
+        )
+    try:
+        fields = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=False,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            timestamp=0,
+        )
+    except Exception as exc:
+        # msgpack signals bad input with a zoo of exception types (ExtraData, FormatError,
+        # StackError, ValueError, UnicodeDecodeError, TypeError): all of them mean "malformed".
+        raise BadRequestError(f"embedding header is not valid msgpack: {exc}") from None
+    if not isinstance(fields, dict):
+        raise BadRequestError(
+            f"embedding header must be a msgpack map; got {type(fields).__name__}"
+        )
+    unknown = [key for key in fields if key not in _FIELDS]
+    if unknown:
+        raise BadRequestError(
+            f"embedding header has unknown field(s): {_short(sorted(map(repr, unknown)))}"
+        )
+    missing = sorted(_REQUIRED - fields.keys())
+    if missing:
+        raise BadRequestError(f"embedding header is missing field(s): {', '.join(missing)}")
+    if fields["v"] != WIRE_VERSION or type(fields["v"]) is not int:
+        # Checked before the rest: a newer version may legitimately differ in any field.
+        raise _bad("v", f"{WIRE_VERSION} (the only wire version)", fields["v"])
+    for key in _ERROR_FIELDS:
+        # Error fields are absent from data parts; an explicit nil is tolerated.
+        if key in fields and fields[key] is None:
+            del fields[key]
+    try:
+        return EmbeddingHeader(**fields)
+    except BadRequestError:
+        raise
+    except Exception as exc:  # pragma: no cover - every field is type-checked above
+        raise BadRequestError(f"embedding header is invalid: {exc}") from None
+
+
+def payload_nbytes(header: EmbeddingHeader) -> int:
+    """The byte length of the payload frame ``header`` describes (0 for an error part)."""
+    if header.error is not None:
+        return 0
+    tokens, hidden = header.shape
+    return tokens * hidden * _DTYPES[header.dtype].itemsize
+
+
+def payload_view(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of ``tensor`` to send as the payload frame.
+
+    The view keeps ``tensor``'s memory alive while it is referenced (also by ZMQ).
+
+    :raises BadRequestError: if ``tensor`` is not a C-contiguous CPU tensor of a wire dtype.
+    """
+    dtype_name(tensor.dtype)
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise BadRequestError(
+            f"payload must be a C-contiguous CPU tensor; got device={tensor.device}, "
+            f"contiguous={tensor.is_contiguous()}"
+        )
+    # Through uint8 because numpy has no bfloat16; reshape(-1) of a contiguous tensor is a view.
+    # (numpy arrays export the buffer protocol; numpy's stubs do not say so.)
+    array: Any = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array)
+
+
+def tensor_from_frame(
+    header: EmbeddingHeader, buffer: bytes | bytearray | memoryview
+) -> torch.Tensor:
+    """The ``header.shape`` tensor over ``buffer``, zero-copy when ``buffer`` is writable.
+
+    A read-only buffer (``bytes``) is copied once, since torch only shares writable memory.
+
+    :raises BadRequestError: for an error part, or if ``len(buffer)`` differs from
+        ``shape x itemsize``.
+    """
+    if header.error is not None:
+        raise BadRequestError(
+            f"req_id {header.req_id!r} part {header.part_idx} is an error part; it has no payload",
+            req_id=header.req_id,
+        )
+    try:
+        view = memoryview(buffer).cast("B")
+    except TypeError:
+        raise BadRequestError(
+            f"payload of req_id {header.req_id!r} part {header.part_idx} is not contiguous",
+            req_id=header.req_id,
+        ) from None
+    expected = payload_nbytes(header)
+    if view.nbytes != expected:
+        raise BadRequestError(
+            f"payload of req_id {header.req_id!r} part {header.part_idx} is {view.nbytes} bytes; "
+            f"shape {list(header.shape)} of {header.dtype} needs {expected}",
+            req_id=header.req_id,
+        )
+    dtype = _DTYPES[header.dtype]
+    if expected == 0:
+        return torch.empty(header.shape, dtype=dtype)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=dtype).view(header.shape)

@@ -1,0 +1,476 @@
+"""Embedding push and pull over ZMQ, native to AnyIO (asyncio and Trio alike).
+
+``zmq.asyncio`` only works on asyncio, so the sockets here are plain non-blocking ZMQ
+sockets whose ``ZMQ_FD`` is awaited with :func:`anyio.wait_readable`. That descriptor is
+edge-triggered and signals *any* state change (readable or writable), so ``ZMQ_EVENTS`` is
+read before every wait and again after every wake-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import asynccontextmanager
+from typing import Any, Final, cast, final
+
+import anyio
+import anyio.lowlevel
+import torch
+import zmq
+
+from .._errors import BadRequestError, TransferError
+from ..nurseries import run_thread_to_completion
+from ._wire import (
+    MAX_HEADER_BYTES,
+    EmbeddingHeader,
+    decode_header,
+    encode_header,
+    payload_nbytes,
+    tensor_from_frame,
+)
+
+__all__ = ["ReceivedPart", "ZmqPushPool", "ZmqReceiver"]
+
+logger = logging.getLogger(__name__)
+
+# ZMQ reports a released payload through a threading.Event, which no event loop can await;
+# it is polled with a short backoff instead. The cap bounds the delay a finished send
+# notices its release with (about 5 ms against ~40 ms for 64 MiB on loopback); a worker
+# thread per send blocked in tracker.wait() would cost a thread for the whole transfer.
+_POLL_FIRST_S: Final = 0.0005
+_POLL_MAX_S: Final = 0.005
+
+
+async def _wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
+    """Return once ``sock``'s ``ZMQ_EVENTS`` has ``event``; checkpoints only if it waits.
+
+    :raises anyio.ClosedResourceError: if the socket is closed (``notify_closing``) meanwhile.
+    """
+    while not cast(int, sock.getsockopt(zmq.EVENTS)) & event:
+        await anyio.wait_readable(fd)
+
+
+async def _wait_released(tracker: zmq.MessageTracker) -> None:
+    """Return once ZMQ no longer references the frame ``tracker`` tracks."""
+    delay = _POLL_FIRST_S
+    while not tracker.done:
+        await anyio.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
+
+
+@dataclasses.dataclass(eq=False)
+class _Connection:
+    """One PUSH socket to one endpoint."""
+
+    url: str
+    socket: zmq.Socket[Any]
+    fd: int
+    # Held while a message is queued, so two messages' frames never interleave.
+    lock: anyio.Lock = dataclasses.field(default_factory=anyio.Lock)
+    # Set once the socket was closed on a failure; any message that was still queued on it
+    # then was dropped, so a send that finds it set after its release did not deliver.
+    broken: bool = False
+
+
+@final
+class ZmqPushPool(anyio.AsyncContextManagerMixin):
+    """Pushes embedding messages (DESIGN §5.2) to PULL endpoints, zero-copy.
+
+    One persistent PUSH socket per endpoint URL, connected on first use. Use it as
+    ``async with ZmqPushPool() as pool:``; leaving the block (or :meth:`aclose`) closes
+    every socket.
+
+    :param send_timeout_s: the bound on one :meth:`send`, from its call until ZMQ released
+        the payload.
+    :param context: a plain (blocking) ``zmq.Context`` to create sockets in (not a
+        ``zmq.asyncio`` one); a private one, terminated on close, if omitted.
+    :param sndhwm: how many messages may be queued per endpoint before further sends wait.
+    :param release_timeout_s: how long a failed, cancelled or aborted send waits (shielded)
+        for ZMQ to let go of its payload after dropping it. ZMQ drops it within
+        milliseconds; the bound only keeps a broken ZMQ from hanging the caller.
+    """
+
+    def __init__(
+        self,
+        *,
+        send_timeout_s: float = 30.0,
+        context: zmq.Context[Any] | None = None,
+        sndhwm: int = 16,
+        release_timeout_s: float = 5.0,
+    ) -> None:
+        if not send_timeout_s > 0:
+            raise ValueError(f"send_timeout_s must be > 0; got {send_timeout_s!r}")
+        if type(sndhwm) is not int or sndhwm < 1:
+            raise ValueError(f"sndhwm must be an int >= 1; got {sndhwm!r}")
+        self._send_timeout_s = send_timeout_s
+        self._sndhwm = sndhwm
+        self._release_timeout_s = release_timeout_s
+        self._context = context
+        self._owns_context = context is None
+        self._closed = False
+        # The current (not broken) connection of each endpoint.
+        self._connections: dict[str, _Connection] = {}
+        # One scope per running send, cancelled by aclose(); _sends_done is set by the last
+        # send to finish once aclose() waits for them.
+        self._running_sends: set[anyio.CancelScope] = set()
+        self._sends_done: anyio.Event | None = None
+
+    @property
+    def endpoints(self) -> frozenset[str]:
+        """The URLs this pool holds a connected socket for."""
+        return frozenset(self._connections)
+
+    async def send(self, url: str, header: EmbeddingHeader, payload: memoryview | None) -> None:
+        """Push ``[header, payload]`` to ``url``; return once ZMQ no longer holds ``payload``.
+
+        ``payload`` (the C-contiguous embedding bytes, e.g. from
+        :func:`~encdisagg.transfer.payload_view`) is sent without copying. An error part
+        (``header.error`` set) has no payload. On return ZMQ has handed the whole message
+        to the kernel's TCP buffer, so the caller may reuse or free the memory right away.
+        ZMQ PUSH has no acknowledgments: a peer that disconnects mid-message loses it
+        silently, so a receiver must bound its own wait.
+
+        Concurrent sends to one URL are queued whole, one after the other, and may overlap
+        on the wire. This is a checkpoint.
+
+        If the message cannot be queued and handed over within ``send_timeout_s``, or the
+        caller is cancelled while ZMQ holds the payload, or the pool closes meanwhile: the
+        endpoint's socket is closed with linger 0 and evicted (ZMQ drops what it queued,
+        including other sends' messages, which then fail as well), this call waits
+        (shielded, bounded) until ZMQ let go of the payload, and only then raises. A
+        cancellation that arrives while the message still waits for room in the queue
+        leaves the socket alone: nothing of it was handed to ZMQ. The next send to the URL
+        connects afresh.
+
+        :raises BadRequestError: if ``payload`` does not match ``header`` (missing, present
+            for an error part, not contiguous, or a size other than ``payload_nbytes``).
+        :raises TransferError: on timeout, on a ZMQ error, if the connection was reset
+            while the message was queued, or if the pool is (or gets) closed.
+        """
+        head = encode_header(header)
+        _check_payload(header, payload)
+        what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
+        if self._closed:
+            raise TransferError(f"{what}: the push pool is closed", req_id=header.req_id)
+        with anyio.CancelScope() as abort_scope:
+            self._running_sends.add(abort_scope)
+            try:
+                with anyio.fail_after(self._send_timeout_s):
+                    await self._send(url, head, payload, what)
+            except TimeoutError:
+                raise TransferError(
+                    f"{what} timed out after {self._send_timeout_s} s", req_id=header.req_id
+                ) from None
+            except TransferError as exc:
+                exc.req_id = header.req_id
+                raise
+            finally:
+                self._running_sends.discard(abort_scope)
+                if not self._running_sends and self._sends_done is not None:
+                    self._sends_done.set()
+        if abort_scope.cancelled_caught:
+            raise TransferError(f"{what}: aborted, the push pool closed", req_id=header.req_id)
+
+    async def aclose(self) -> None:
+        """Abort running sends, close every socket and (if private) the ZMQ context.
+
+        Idempotent. Shielded: it completes even when cancelled; every wait in it is
+        bounded. Aborted sends raise :class:`~encdisagg.TransferError` in their own tasks,
+        each after ZMQ released its payload.
+        """
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            if self._running_sends:
+                self._sends_done = anyio.Event()
+                for scope in self._running_sends:
+                    scope.cancel()
+                with anyio.move_on_after(self._release_timeout_s + 1.0):
+                    await self._sends_done.wait()
+            for connection in list(self._connections.values()):
+                self._evict(connection)
+            if self._owns_context and self._context is not None:
+                context, self._context = self._context, None
+                # term() blocks until ZMQ dropped what the closed sockets held.
+                await run_thread_to_completion(context.term)
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[ZmqPushPool]:
+        """Entering is not a checkpoint; exiting is :meth:`aclose`."""
+        try:
+            yield self
+        finally:
+            await self.aclose()
+
+    async def _send(self, url: str, head: bytes, payload: memoryview | None, what: str) -> None:
+        await anyio.lowlevel.checkpoint()
+        tracker: zmq.MessageTracker | None = None
+        while tracker is None:
+            connection = self._connect(url, what)
+            async with connection.lock:
+                try:
+                    while tracker is None and not connection.broken:
+                        await _wait_events(connection.socket, connection.fd, zmq.POLLOUT)
+                        tracker = self._queue(connection, head, payload, what)
+                except anyio.ClosedResourceError:
+                    # Another send's failure evicted the socket while this one waited for
+                    # room; nothing of this message was queued: retry on a fresh socket.
+                    continue
+                except zmq.ZMQError as exc:
+                    self._evict(connection)
+                    raise TransferError(f"{what} failed: {exc}") from exc
+        await self._wait_released(connection, tracker, what)
+
+    def _queue(
+        self, connection: _Connection, head: bytes, payload: memoryview | None, what: str
+    ) -> zmq.MessageTracker | None:
+        """Queue the message; its tracker, or None if ZMQ refused the first frame."""
+        sock = connection.socket
+        try:
+            if payload is None:
+                return sock.send(head, zmq.NOBLOCK, copy=False, track=True)
+            sock.send(head, zmq.NOBLOCK | zmq.SNDMORE)
+        except zmq.Again:
+            return None
+        try:
+            # Once the first frame is in, ZMQ takes the rest of the message regardless of
+            # the high-water mark.
+            return sock.send(payload, zmq.NOBLOCK, copy=False, track=True)
+        except zmq.ZMQError as exc:
+            # Half a message may sit in the queue: the socket can never be used again.
+            self._evict(connection)
+            raise TransferError(f"{what} failed after its header frame: {exc}") from exc
+
+    async def _wait_released(
+        self, connection: _Connection, tracker: zmq.MessageTracker, what: str
+    ) -> None:
+        try:
+            await _wait_released(tracker)
+        except BaseException:
+            # Timed out, cancelled or aborted while ZMQ holds the payload. ZMQ cannot
+            # unqueue one message: closing the socket with linger 0 drops its queue, after
+            # which ZMQ lets go of the buffer. Only then may the caller see the exception.
+            self._evict(connection)
+            with anyio.move_on_after(self._release_timeout_s, shield=True):
+                await _wait_released(tracker)
+            if not tracker.done:
+                logger.error(
+                    "%s: ZMQ still references the payload %s s after its socket was closed",
+                    what,
+                    self._release_timeout_s,
+                )
+            raise
+        if connection.broken:
+            raise TransferError(
+                f"{what} failed: the connection was reset while the message was queued "
+                "(another send to this endpoint failed)"
+            )
+
+    def _connect(self, url: str, what: str) -> _Connection:
+        connection = self._connections.get(url)
+        if connection is not None:
+            return connection
+        if self._closed:
+            raise TransferError(f"{what}: the push pool is closed")
+        if self._context is None:
+            self._context = zmq.Context()
+        sock = self._context.socket(zmq.PUSH)
+        try:
+            # Linger 0: a message still queued at close is dropped, never waited for. By
+            # then its send has either seen the payload handed over or is failing anyway.
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+            # Track every frame sent with copy=False, however small (error parts too).
+            sock.copy_threshold = 0
+            sock.connect(url)
+            fd = cast(int, sock.getsockopt(zmq.FD))
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise TransferError(f"{what}: cannot connect: {exc}") from exc
+        connection = _Connection(url, sock, fd)
+        self._connections[url] = connection
+        return connection
+
+    def _evict(self, connection: _Connection) -> None:
+        if connection.broken:
+            return
+        connection.broken = True
+        if self._connections.get(connection.url) is connection:
+            del self._connections[connection.url]
+        # Wake a send waiting for room on this socket before its descriptor goes away.
+        anyio.notify_closing(connection.fd)
+        connection.socket.close(linger=0)
+
+
+def _check_payload(header: EmbeddingHeader, payload: memoryview | None) -> None:
+    where = f"req_id {header.req_id!r} part {header.part_idx}"
+    if header.error is not None:
+        if payload is not None:
+            raise BadRequestError(
+                f"error part of {where} must have no payload", req_id=header.req_id
+            )
+        return
+    if payload is None:
+        raise BadRequestError(f"payload of {where} is missing", req_id=header.req_id)
+    if not payload.c_contiguous:
+        raise BadRequestError(f"payload of {where} is not C-contiguous", req_id=header.req_id)
+    if payload.nbytes != payload_nbytes(header):
+        raise BadRequestError(
+            f"payload of {where} is {payload.nbytes} bytes; shape {list(header.shape)} of "
+            f"{header.dtype} needs {payload_nbytes(header)}",
+            req_id=header.req_id,
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
+class ReceivedPart:
+    """One validated embedding message.
+
+    ``tensor`` is the ``header.shape`` tensor over the received frame's memory (no copy),
+    or ``None`` for an error part.
+    """
+
+    header: EmbeddingHeader
+    tensor: torch.Tensor | None
+
+
+@final
+class ZmqReceiver(anyio.AsyncContextManagerMixin):
+    """A PULL socket that receives embedding messages (DESIGN §5.2).
+
+    ``async with ZmqReceiver() as rx:`` binds; ``rx.url`` is then the endpoint to give to
+    senders, with the real port. Leaving the block closes the socket; a task still waiting
+    in :meth:`receive` then gets :class:`anyio.ClosedResourceError`.
+
+    :param bind: the endpoint to bind; port 0 picks a free port.
+    :param max_payload_bytes: reject larger payloads; ZMQ drops the connection of a peer
+        that sends a larger frame before it is buffered. No limit if omitted.
+    :param max_queued_messages: the receive high-water mark: how many messages ZMQ buffers
+        ahead of :meth:`receive` before senders wait.
+    :param context: a plain (blocking) ``zmq.Context``; a private one if omitted.
+    """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        max_payload_bytes: int | None = None,
+        max_queued_messages: int = 16,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        if max_payload_bytes is not None and (
+            type(max_payload_bytes) is not int or max_payload_bytes < 0
+        ):
+            raise ValueError(f"max_payload_bytes must be an int >= 0; got {max_payload_bytes!r}")
+        self._bind = bind
+        self._max_payload_bytes = max_payload_bytes
+        self._max_queued = max_queued_messages
+        self._context = context
+        self._owns_context = context is None
+        self._socket: zmq.Socket[Any] | None = None
+        self._fd = -1
+        self._url: str | None = None
+        self._closed = False
+        # One task at a time waits on the socket's descriptor (both backends insist).
+        self._receive_lock = anyio.Lock()
+
+    @property
+    def url(self) -> str:
+        """The bound endpoint, with the real port (``ZMQ_LAST_ENDPOINT``).
+
+        :raises RuntimeError: before the receiver is entered.
+        """
+        if self._url is None:
+            raise RuntimeError("ZmqReceiver.url is known once the receiver is entered")
+        return self._url
+
+    async def receive(self) -> ReceivedPart:
+        """Wait for the next message and validate it.
+
+        A checkpoint. A message is taken off the socket only after the last checkpoint, so
+        cancelling a waiting call loses nothing. Concurrent calls take turns. A malformed
+        message is consumed and reported; the next call receives the next message.
+
+        :raises BadRequestError: for a malformed message (bad header, wrong frame count, a
+            payload whose size does not match the header or exceeds ``max_payload_bytes``).
+        :raises anyio.ClosedResourceError: if the receiver is (or gets) closed.
+        :raises TransferError: on a ZMQ error.
+        """
+        async with self._receive_lock:
+            sock = self._socket
+            if sock is None or self._closed:
+                raise anyio.ClosedResourceError
+            try:
+                while True:
+                    await _wait_events(sock, self._fd, zmq.POLLIN)
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        continue
+                    break
+            except zmq.ZMQError as exc:
+                raise TransferError(f"ZMQ receive on {self._url} failed: {exc}") from exc
+        return self._parse(frames)
+
+    async def aclose(self) -> None:
+        """Close the socket (and a private context). Idempotent; shielded."""
+        self._closed = True
+        sock, self._socket = self._socket, None
+        if sock is not None:
+            anyio.notify_closing(self._fd)
+            sock.close(linger=0)
+        if self._owns_context and self._context is not None:
+            context, self._context = self._context, None
+            with anyio.CancelScope(shield=True):
+                await run_thread_to_completion(context.term)
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[ZmqReceiver]:
+        """Entering binds (not a checkpoint); exiting is :meth:`aclose`."""
+        if self._closed or self._socket is not None:
+            raise RuntimeError("a ZmqReceiver is entered once")
+        try:
+            self._open()
+            yield self
+        finally:
+            await self.aclose()
+
+    def _open(self) -> None:
+        if self._context is None:
+            self._context = zmq.Context()
+        sock = self._context.socket(zmq.PULL)
+        self._socket = sock
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, self._max_queued)
+            if self._max_payload_bytes is not None:
+                sock.setsockopt(zmq.MAXMSGSIZE, max(self._max_payload_bytes, MAX_HEADER_BYTES))
+            sock.bind(self._bind)
+            self._url = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._fd = cast(int, sock.getsockopt(zmq.FD))
+        except zmq.ZMQError as exc:
+            raise TransferError(f"ZMQ bind of {self._bind} failed: {exc}") from exc
+
+    def _parse(self, frames: list[zmq.Frame]) -> ReceivedPart:
+        if len(frames) not in (1, 2):
+            raise BadRequestError(
+                f"embedding message has {len(frames)} frames; expected a header and a payload, "
+                "or a header alone for an error part"
+            )
+        header = decode_header(frames[0].buffer)
+        where = f"req_id {header.req_id!r} part {header.part_idx}"
+        if header.error is not None:
+            if len(frames) != 1:
+                raise BadRequestError(
+                    f"error part of {where} carries a payload", req_id=header.req_id
+                )
+            return ReceivedPart(header, None)
+        if len(frames) != 2:
+            raise BadRequestError(f"payload of {where} is missing", req_id=header.req_id)
+        size = len(frames[1].buffer)
+        if self._max_payload_bytes is not None and size > self._max_payload_bytes:
+            raise BadRequestError(
+                f"payload of {where} is {size} bytes; the limit is {self._max_payload_bytes}",
+                req_id=header.req_id,
+            )
+        return ReceivedPart(header, tensor_from_frame(header, frames[1].buffer))
