@@ -1,0 +1,78 @@
+"""Vision models behind the ``VisionModel`` protocol.
+
+- :class:`VisionModel` / :class:`Preprocessed`: what the Encoder drives, and what
+  ``preprocess`` hands to ``forward``.
+- :func:`load_model`: the built-in ``"tiny"`` (seeded Qwen2-VL architecture) and
+  ``"tiny-qwen2.5-vl"``, or a local checkpoint folder; returns a :class:`QwenVisionModel`.
+- :class:`NullVisionModel`: the protocol without compute, for benchmarks and tests.
+- :class:`MediaPolicy`: which media items are accepted, and from where.
+- Grid helpers: token counts of Qwen ``(t, h, w)`` grids, Kimi ``[h, w]`` grids and Qwen audio.
+- The tiny configs and builders, so a pipeline can build the matching tiny language model.
+"""
+
+from ._grids import (
+    audio_output_length as audio_output_length,
+    grid_patches as grid_patches,
+    grid_tokens as grid_tokens,
+    kimi_grid_patches as kimi_grid_patches,
+    kimi_grid_tokens as kimi_grid_tokens,
+    qwen2_audio_output_length as qwen2_audio_output_length,
+    qwen3_audio_output_length as qwen3_audio_output_length,
+    select_grid as select_grid,
+)
+from ._loading import BUILTIN_MODELS as BUILTIN_MODELS, load_model as load_model
+from ._media import (
+    DEFAULT_MAX_MEDIA_BYTES as DEFAULT_MAX_MEDIA_BYTES,
+    MediaPolicy as MediaPolicy,
+    load_image as load_image,
+    load_video as load_video,
+)
+from ._null import NullVisionModel as NullVisionModel
+from ._protocol import (
+    Preprocessed as Preprocessed,
+    VisionModel as VisionModel,
+    split_embedding as split_embedding,
+)
+from ._qwen import QwenVisionModel as QwenVisionModel
+from ._tiny import (
+    TINY_SEED as TINY_SEED,
+    TINY_TEXT_HIDDEN_SIZE as TINY_TEXT_HIDDEN_SIZE,
+    build_tiny_qwen2_5_vl as build_tiny_qwen2_5_vl,
+    build_tiny_qwen2_vl as build_tiny_qwen2_vl,
+    tiny_qwen2_5_vl_config as tiny_qwen2_5_vl_config,
+    tiny_qwen2_vl_config as tiny_qwen2_vl_config,
+)
+
+__all__ = (
+    "VisionModel",
+    "Preprocessed",
+    "split_embedding",
+    "load_model",
+    "BUILTIN_MODELS",
+    "QwenVisionModel",
+    "NullVisionModel",
+    "MediaPolicy",
+    "DEFAULT_MAX_MEDIA_BYTES",
+    "load_image",
+    "load_video",
+    "grid_patches",
+    "grid_tokens",
+    "kimi_grid_patches",
+    "kimi_grid_tokens",
+    "select_grid",
+    "qwen2_audio_output_length",
+    "qwen3_audio_output_length",
+    "audio_output_length",
+    "TINY_SEED",
+    "TINY_TEXT_HIDDEN_SIZE",
+    "tiny_qwen2_vl_config",
+    "tiny_qwen2_5_vl_config",
+    "build_tiny_qwen2_vl",
+    "build_tiny_qwen2_5_vl",
+)
+
+for _name in __all__:
+    _value = globals()[_name]
+    if callable(_value) or isinstance(_value, type):
+        _value.__module__ = __name__
+del _name, _value

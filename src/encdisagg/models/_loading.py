@@ -1,0 +1,217 @@
+"""``load_model``: built-in tiny models by name, anything else from a local checkpoint folder."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from transformers import PreTrainedModel, Qwen2VLImageProcessorPil
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+from .._errors import BadRequestError
+from ._media import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
+from ._qwen import VIDEO_CONFIG_NAME, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, QwenVisionModel
+from ._tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
+
+__all__ = ["BUILTIN_MODELS", "load_model", "parse_dtype"]
+
+_BUILDERS: Final[dict[str, Callable[[], PreTrainedModel]]] = {
+    "tiny": lambda: build_tiny_qwen2_vl().model.visual,
+    "tiny-qwen2.5-vl": lambda: build_tiny_qwen2_5_vl().model.visual,
+}
+BUILTIN_MODELS: Final = tuple(_BUILDERS)
+
+# model_type of a checkpoint's config.json -> (vision config class, tower class). Full
+# checkpoints (``qwen2_vl``) keep the tower under ``vision_config`` and ``model.visual.*``
+# (``visual.*`` in checkpoints written by transformers 4).
+_TOWERS: Final[dict[str, tuple[Any, Any]]] = {
+    "qwen2_vl": (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel),
+    "qwen2_vl_vision": (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel),
+    "qwen2_5_vl": (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel),
+    "qwen2_5_vl_vision": (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel),
+}
+_FULL_CHECKPOINT_KEYS: Final = {r"^model\.visual\.": "", r"^visual\.": ""}
+
+_DTYPE_ALIASES: Final = {
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``"bfloat16"``, ``"bf16"``, ``torch.float16``... → a floating torch dtype; ``None`` and
+    ``"auto"`` → ``None`` (the checkpoint's own dtype). Does not block.
+
+    :raises BadRequestError: naming ``dtype`` for anything else.
+    """
+    if value is None or value == "auto":
+        return None
+    dtype: object = value
+    if isinstance(value, str):
+        name = value.strip().lower().removeprefix("torch.")
+        dtype = _DTYPE_ALIASES.get(name, getattr(torch, name, None))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise BadRequestError(f"dtype must be a floating-point torch dtype; got {value!r}")
+    return dtype
+
+
+def _move(module: torch.nn.Module, where: torch.dtype | torch.device) -> None:
+    # In place, through the base class: transformers' wrapper of ``to`` hides its type.
+    module.to(where)
+
+
+def _parse_device(device: str) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise BadRequestError(f"device: invalid device {device!r}: {exc}") from exc
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadRequestError(f"model: cannot read {path.name} of {name!r}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BadRequestError(f"model: {path.name} of {name!r} is not a JSON object")
+    return data
+
+
+def _declared_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    for source in (config.get("vision_config") or {}, config):
+        declared = source.get("dtype") or source.get("torch_dtype")
+        if isinstance(declared, str):
+            try:
+                return parse_dtype(declared)
+            except BadRequestError:
+                return None
+    return None
+
+
+def _video_limits(folder: Path, name: str) -> tuple[int, int]:
+    path = folder / VIDEO_CONFIG_NAME
+    if not path.is_file():
+        return VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS
+    config = _read_json(path, name)
+    size = config.get("size") or {}
+    low = size.get("shortest_edge", config.get("min_pixels", VIDEO_MIN_PIXELS))
+    high = size.get("longest_edge", config.get("max_pixels", VIDEO_MAX_PIXELS))
+    if not (isinstance(low, int) and isinstance(high, int) and 0 < low <= high):
+        raise BadRequestError(f"model: {VIDEO_CONFIG_NAME} of {name!r} has an invalid size")
+    return low, high
+
+
+def _load_folder(
+    folder: Path, name: str, dtype: torch.dtype | None
+) -> tuple[PreTrainedModel, Qwen2VLImageProcessorPil, tuple[int, int]]:
+    config = _read_json(folder / "config.json", name)
+    model_type = config.get("model_type")
+    if model_type not in _TOWERS:
+        raise BadRequestError(
+            f"model: {name!r} is a {model_type!r} checkpoint; supported model types are "
+            f"{', '.join(_TOWERS)}"
+        )
+    if not (folder / "preprocessor_config.json").is_file():
+        raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
+    config_class, tower_class = _TOWERS[model_type]
+    dtype = dtype or _declared_dtype(config) or torch.float32
+    try:
+        vision_config = config_class.from_pretrained(folder, local_files_only=True)
+        tower, info = tower_class.from_pretrained(
+            folder,
+            config=vision_config,
+            dtype=dtype,
+            local_files_only=True,
+            key_mapping=_FULL_CHECKPOINT_KEYS,
+            output_loading_info=True,
+        )
+        processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadRequestError(f"model: cannot load checkpoint {name!r}: {exc}") from exc
+    # transformers fills missing weights with random ones and only logs it; a vision tower
+    # with random layers would serve noise, so refuse it.
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:5])
+        raise BadRequestError(
+            f"model: checkpoint {name!r} lacks {len(missing)} vision tower weights ({shown})"
+        )
+    return tower, processor, _video_limits(folder, name)
+
+
+def load_model(
+    name_or_path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str = "cpu",
+    max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
+    remote_media_domains: Sequence[str] = (),
+    remote_media_timeout_s: float = 10.0,
+    allow_local_files: bool = True,
+    max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
+) -> QwenVisionModel:
+    """Load a vision model by built-in name or from a local checkpoint folder. Blocks while it
+    builds or reads the weights; never touches the network.
+
+    Built-in names (they win over a folder of the same name): ``"tiny"``, a seeded random
+    Qwen2-VL tower, and ``"tiny-qwen2.5-vl"``, its Qwen2.5-VL twin (see
+    :func:`tiny_qwen2_vl_config`). Anything else is a folder in ``save_pretrained`` layout:
+    ``config.json`` (a Qwen2-VL / Qwen2.5-VL vision tower, or a full Qwen2-VL / Qwen2.5-VL
+    checkpoint, whose language model is skipped), safetensors weights and
+    ``preprocessor_config.json``.
+
+    :param dtype: the tower's dtype; ``None`` means the checkpoint's own (``float32`` for the
+        built-in models).
+    :param device: where the tower runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+    :param max_media_bytes: / :param remote_media_domains: / :param remote_media_timeout_s: /
+        :param allow_local_files: / :param max_video_frames: the :class:`MediaPolicy`.
+    :raises BadRequestError: naming ``model`` for an unknown name, a missing folder or an
+        unloadable checkpoint; ``dtype``, ``device`` or the media field for invalid values.
+    """
+    media = MediaPolicy(
+        max_media_bytes=max_media_bytes,
+        remote_media_domains=tuple(remote_media_domains),
+        remote_timeout_s=remote_media_timeout_s,
+        allow_local_files=allow_local_files,
+        max_video_frames=max_video_frames,
+    )
+    wanted_dtype = parse_dtype(dtype)
+    target = _parse_device(device)
+    name = str(name_or_path)
+    video_limits = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
+    if name in _BUILDERS:
+        tower = _BUILDERS[name]()
+        processor = Qwen2VLImageProcessorPil()
+        if wanted_dtype is not None:
+            _move(tower, wanted_dtype)
+    else:
+        folder = Path(name).expanduser()
+        if not folder.is_dir():
+            raise BadRequestError(
+                f"model: {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                "nor a checkpoint folder"
+            )
+        tower, processor, video_limits = _load_folder(folder, name, wanted_dtype)
+    try:
+        _move(tower, target)
+    except (RuntimeError, AssertionError) as exc:  # e.g. no CUDA in this build or machine
+        raise BadRequestError(f"device: cannot use {device!r}: {exc}") from exc
+    return QwenVisionModel(
+        tower,
+        processor,
+        name=name,
+        media=media,
+        video_min_pixels=video_limits[0],
+        video_max_pixels=video_limits[1],
+    )

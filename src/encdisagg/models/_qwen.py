@@ -1,0 +1,365 @@
+"""Qwen2-VL family vision towers behind the ``VisionModel`` protocol.
+
+Images go through transformers' ``Qwen2VLImageProcessorPil`` (the processor Qwen2-VL and
+Qwen2.5-VL share; the default ``Qwen2VLImageProcessor`` needs torchvision). transformers'
+``Qwen2VLVideoProcessor`` needs torchvision too, so videos are built from the image processor:
+every frame is resized, rescaled, normalised and patchified by it at the video processor's
+pixel limits, and consecutive frames are then paired along the temporal axis exactly as the
+video processor lays out ``pixel_values_videos`` (``temporal_patch_size`` frames per temporal
+patch, the last frame repeated to fill the final one). A video of ``F`` frames thus has the
+grid ``(ceil(F / temporal_patch_size), h, w)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, final
+
+import torch
+from transformers import Qwen2VLImageProcessorPil
+
+from .._errors import BadRequestError, InternalError
+from .._modality import Modality
+from ._grids import grid_tokens
+from ._media import MediaPolicy, item_label, load_image, load_video
+from ._protocol import Preprocessed, split_embedding
+
+if TYPE_CHECKING:
+    from PIL import Image
+    from transformers import PreTrainedModel
+
+__all__ = ["QwenVisionModel", "VIDEO_MAX_PIXELS", "VIDEO_MIN_PIXELS"]
+
+# Qwen2VLVideoProcessor's defaults: frames are resized to between 128 and 768 merged patches.
+VIDEO_MIN_PIXELS: Final = 128 * 28 * 28
+VIDEO_MAX_PIXELS: Final = 768 * 28 * 28
+VIDEO_CONFIG_NAME: Final = "video_preprocessor_config.json"
+
+# Keys of ``Preprocessed.features`` this model writes and reads.
+PIXEL_VALUES: Final = "pixel_values"
+GRID_THW: Final = "grid_thw"
+
+_OUTPUT_WIDTH_KEYS: Final = {
+    "qwen2_vl_vision": "hidden_size",  # Qwen2-VL: the merger's output width
+    "qwen2_5_vl_vision": "out_hidden_size",  # Qwen2.5-VL: hidden_size is the ViT width
+}
+SUPPORTED_VISION_TYPES: Final = tuple(_OUTPUT_WIDTH_KEYS)
+
+
+def _update_with_tensor(digest: Any, tensor: torch.Tensor) -> None:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    digest.update(f"{flat.dtype}{tuple(tensor.shape)}".encode())
+    # Reinterpreted as bytes so dtypes numpy lacks (bfloat16) hash the same way.
+    digest.update(flat.view(torch.uint8).numpy().data)
+
+
+# Config entries that say where a model came from or which library wrote it, not what it
+# computes; leaving them out of the identity keeps it equal across a save/load round trip.
+_PROVENANCE_KEYS: Final = frozenset(
+    {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype"}
+)
+
+
+def _architecture_json(config: Mapping[str, Any]) -> str:
+    kept = {key: value for key, value in config.items() if key not in _PROVENANCE_KEYS}
+    return json.dumps(kept, sort_keys=True, default=str)
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """sha256 over a module's parameters and buffers (names, dtypes, shapes, bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        _update_with_tensor(digest, tensor)
+    return digest.hexdigest()
+
+
+@final
+class QwenVisionModel:
+    """A Qwen2-VL or Qwen2.5-VL vision tower with its processor.
+
+    Build one with :func:`~encdisagg.models.load_model`; the constructor takes the parts.
+    ``preprocess`` is safe to call from several threads at once (each thread gets its own
+    processor); ``forward`` must be called by one thread at a time, any thread.
+
+    :param tower: a ``Qwen2VisionTransformerPretrainedModel`` or
+        ``Qwen2_5_VisionTransformerPretrainedModel``, already on its device and dtype.
+    :param image_processor: the image processor whose settings fix the token counts.
+    :param name: the model's name (a built-in name or the checkpoint folder).
+    :param media: limits on the media items accept.
+    :param video_min_pixels: / :param video_max_pixels: the pixel range frames are resized to.
+    :raises BadRequestError: naming ``model`` if ``tower`` is no supported vision tower.
+    """
+
+    def __init__(
+        self,
+        tower: PreTrainedModel,
+        image_processor: Qwen2VLImageProcessorPil,
+        *,
+        name: str,
+        media: MediaPolicy | None = None,
+        video_min_pixels: int = VIDEO_MIN_PIXELS,
+        video_max_pixels: int = VIDEO_MAX_PIXELS,
+    ) -> None:
+        model_type = getattr(tower.config, "model_type", None)
+        if model_type not in _OUTPUT_WIDTH_KEYS:
+            raise BadRequestError(
+                f"model: {name!r} is a {model_type!r} model; supported vision towers are "
+                f"{', '.join(SUPPORTED_VISION_TYPES)}"
+            )
+        module: torch.nn.Module = tower
+        module.train(False)  # eval mode; via the base class, whose annotations mypy sees
+        self._tower = tower
+        self._name = name
+        self._model_type: str = model_type
+        self._hidden_size = int(getattr(tower.config, _OUTPUT_WIDTH_KEYS[model_type]))
+        self._media = media or MediaPolicy()
+        self._processor_config: dict[str, Any] = image_processor.to_dict()
+        self._merge_size = int(image_processor.merge_size)
+        self._video_size = {"shortest_edge": video_min_pixels, "longest_edge": video_max_pixels}
+        self._threads = threading.local()
+        self._threads.processor = image_processor
+        identity = hashlib.sha256()
+        identity.update(model_type.encode())
+        identity.update(_architecture_json(tower.config.to_dict()).encode())
+        identity.update(json.dumps(self._processor_config, sort_keys=True, default=str).encode())
+        identity.update(json.dumps(self._video_size, sort_keys=True).encode())
+        identity.update(state_digest(tower).encode())
+        self._identity = identity.hexdigest()
+
+    # --- identity and shape -------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The built-in name or checkpoint folder this model was loaded from."""
+        return self._name
+
+    @property
+    def identity(self) -> str:
+        """sha256 over the architecture, processor settings and weights; part of cache keys."""
+        return self._identity
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the embeddings: the merger's output width, the LLM's hidden size."""
+        return self._hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The tower's dtype, which its embeddings have too."""
+        dtype: torch.dtype = self._tower.dtype
+        return dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tower runs and its embeddings are returned."""
+        device: torch.device = self._tower.device
+        return device
+
+    @property
+    def merge_size(self) -> int:
+        """Patches folded into one token along each spatial axis."""
+        return self._merge_size
+
+    @property
+    def modalities(self) -> frozenset[Modality]:
+        """The modalities ``preprocess`` accepts."""
+        return frozenset({Modality.IMAGE, Modality.VIDEO})
+
+    @property
+    def tower(self) -> PreTrainedModel:
+        """The underlying transformers vision tower."""
+        return self._tower
+
+    def __repr__(self) -> str:
+        return (
+            f"QwenVisionModel(name={self._name!r}, type={self._model_type!r}, "
+            f"hidden_size={self._hidden_size}, dtype={self.dtype}, device={self.device})"
+        )
+
+    # --- preprocessing ------------------------------------------------------------------
+
+    def _processor(self) -> Qwen2VLImageProcessorPil:
+        # The processor only reads its settings today, but it is third-party code with
+        # attributes any release could start caching into; a private copy per thread keeps
+        # concurrent preprocess calls independent for ~0.2 ms per new thread.
+        processor: Qwen2VLImageProcessorPil | None = getattr(self._threads, "processor", None)
+        if processor is None:
+            processor = Qwen2VLImageProcessorPil.from_dict(dict(self._processor_config))
+            self._threads.processor = processor
+        return processor
+
+    def preprocess(self, items: Sequence[object], modality: Modality | str) -> Preprocessed:
+        """Decode and preprocess one request's images or videos. Blocks on CPU work, file
+        reads and (when enabled) media downloads.
+
+        Each image item becomes one ``(1, h, w)`` grid row; each video item one
+        ``(t, h, w)`` row. The result's ``cache_key`` hashes the pixel values, the grid and
+        :attr:`identity`.
+
+        :raises BadRequestError: naming ``modality`` for one this model does not encode,
+            ``mm_items`` if ``items`` is not a list, or ``mm_items[i]`` for an item that cannot
+            be fetched, decoded or preprocessed.
+        """
+        modality = Modality.parse(modality)
+        if modality not in self.modalities:
+            supported = ", ".join(sorted(m.value for m in self.modalities))
+            raise BadRequestError(
+                f"modality {modality.value!r} is not supported by model {self._name!r} "
+                f"(supported: {supported})"
+            )
+        if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
+            raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
+        processor = self._processor()
+        pixel_values: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        for index, item in enumerate(items):
+            if modality is Modality.IMAGE:
+                image = load_image(item, index, self._media)
+                values, grid = self._image_patches(processor, image, index)
+            else:
+                frames = load_video(item, index, self._media)
+                values, grid = self._video_patches(processor, frames, index)
+            pixel_values.append(values)
+            grids.append(grid)
+        if not grids:
+            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
+        grid_thw = torch.cat(grids)
+        rows = tuple(tuple(int(size) for size in row) for row in grid_thw.tolist())
+        token_counts = tuple(grid_tokens(row, self._merge_size) for row in rows)
+        features = {PIXEL_VALUES: torch.cat(pixel_values), GRID_THW: grid_thw}
+        return Preprocessed(
+            token_counts=token_counts,
+            grid=rows,
+            features=features,
+            cache_key=self._cache_key(features, rows),
+        )
+
+    def _image_patches(
+        self, processor: Qwen2VLImageProcessorPil, image: Image.Image, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            out = processor(images=[image], return_tensors="pt")
+        except (ValueError, TypeError) as exc:  # e.g. an aspect ratio above 200
+            raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
+        return out[PIXEL_VALUES], out["image_grid_thw"]
+
+    def _video_patches(
+        self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        label = item_label(index)
+        first = frames[0].size
+        for number, frame in enumerate(frames):
+            if frame.size != first:
+                raise BadRequestError(
+                    f"{label}[{number}]: frame is {frame.size[0]}x{frame.size[1]}, but the "
+                    f"video's first frame is {first[0]}x{first[1]}"
+                )
+        try:
+            out = processor(images=frames, size=self._video_size, return_tensors="pt")
+        except (ValueError, TypeError) as exc:
+            raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
+        per_frame: torch.Tensor = out[PIXEL_VALUES]
+        _, grid_h, grid_w = (int(size) for size in out["image_grid_thw"][0].tolist())
+        temporal = int(processor.temporal_patch_size)
+        patch = int(processor.patch_size)
+        frame_count = len(frames)
+        patches = grid_h * grid_w
+        channels = per_frame.shape[1] // (temporal * patch * patch)
+        # The image processor repeats each frame over the temporal slots of its patch; keep
+        # one slot per frame: [frames, patches, channels, patch*patch].
+        single = per_frame.view(frame_count, patches, channels, temporal, patch * patch)[:, :, :, 0]
+        if pad := -frame_count % temporal:
+            single = torch.cat([single, single[-1:].expand(pad, -1, -1, -1)])
+        grid_t = single.shape[0] // temporal
+        # [t, temporal, patches, C, P] -> [t, patches, C, temporal, P]: the video processor's
+        # order (channel, then time, then the pixels of the patch) in each flattened row.
+        stacked = single.view(grid_t, temporal, patches, channels, patch * patch)
+        values = stacked.permute(0, 2, 3, 1, 4).reshape(grid_t * patches, -1).contiguous()
+        grid = torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.int64)
+        return values, grid
+
+    def _cache_key(
+        self, features: Mapping[str, torch.Tensor], grid: tuple[tuple[int, ...], ...]
+    ) -> str:
+        digest = hashlib.sha256()
+        digest.update(self._identity.encode())
+        digest.update(json.dumps(grid).encode())
+        for key in sorted(features):
+            digest.update(key.encode())
+            _update_with_tensor(digest, features[key])
+        return digest.hexdigest()
+
+    # --- forward ------------------------------------------------------------------------
+
+    def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
+        """Encode a batch in one fused tower call; one ``[tokens, hidden_size]`` tensor per
+        element, on :attr:`device` in :attr:`dtype`. Blocks on the tower's compute.
+
+        :raises InternalError: if an element lacks this model's features, or the tower
+            produced a different number of tokens than the elements' ``token_counts``.
+        """
+        if not batch:
+            return []
+        pixel_values: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        totals: list[int] = []
+        for number, element in enumerate(batch):
+            totals.append(element.num_tokens)
+            if not element.token_counts:
+                continue
+            values = element.features.get(PIXEL_VALUES)
+            grid = element.features.get(GRID_THW)
+            if not isinstance(values, torch.Tensor) or not isinstance(grid, torch.Tensor):
+                raise InternalError(
+                    f"batch[{number}] has no {PIXEL_VALUES}/{GRID_THW} features; "
+                    f"it was not preprocessed by model {self._name!r}"
+                )
+            pixel_values.append(values)
+            grids.append(grid)
+        if not grids:
+            return [self._empty() for _ in batch]
+        with torch.inference_mode():
+            output = self._tower(
+                torch.cat(pixel_values).to(self.device, self.dtype),
+                grid_thw=torch.cat(grids).to(self.device),
+            )
+            rows: torch.Tensor = output.pooler_output
+        if rows.dim() == 2 and rows.shape[1] != self._hidden_size:
+            raise InternalError(
+                f"Encoder produced {rows.shape[1]}-wide tokens, expected {self._hidden_size}"
+            )
+        pieces = split_embedding(rows, totals)
+        if len(pieces) == 1:
+            return [pieces[0].contiguous()]
+        # Each element gets its own storage, so staging or freeing one request's embedding
+        # neither keeps its batch-mates' memory alive nor aliases it.
+        return [piece.clone() for piece in pieces]
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((0, self._hidden_size), dtype=self.dtype, device=self.device)
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write a checkpoint folder :func:`~encdisagg.models.load_model` loads back
+        bit-identically: ``config.json`` and ``model.safetensors`` of the tower,
+        ``preprocessor_config.json`` of the image processor and
+        ``video_preprocessor_config.json`` with the video pixel limits. Blocks on disk I/O.
+        """
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._tower.save_pretrained(folder)
+        Qwen2VLImageProcessorPil.from_dict(dict(self._processor_config)).save_pretrained(folder)
+        video = {
+            "video_processor_type": "Qwen2VLVideoProcessor",
+            "size": self._video_size,
+            "patch_size": self._processor_config.get("patch_size"),
+            "temporal_patch_size": self._processor_config.get("temporal_patch_size"),
+            "merge_size": self._merge_size,
+        }
+        (folder / VIDEO_CONFIG_NAME).write_text(json.dumps(video, indent=2) + "\n")

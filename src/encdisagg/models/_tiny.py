@@ -1,0 +1,131 @@
+"""The embedded default models: seeded, randomly initialised Qwen2-VL / Qwen2.5-VL.
+
+Real architecture and real processor, tiny widths: token counts and grids are those of the real
+models, the embeddings are noise. Weights are fixed by the seed, so every process that builds
+``"tiny"`` gets bit-identical weights.
+
+The vision tower of ``"tiny"`` *is* the ``model.visual`` part of the full
+``Qwen2VLForConditionalGeneration`` that :func:`build_tiny_qwen2_vl` builds from
+:func:`tiny_qwen2_vl_config`. A pipeline that needs the matching language model calls the
+same function with the same seed and gets the same vision weights plus the language model
+they were initialised with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
+
+__all__ = [
+    "TINY_SEED",
+    "TINY_TEXT_HIDDEN_SIZE",
+    "build_tiny_qwen2_5_vl",
+    "build_tiny_qwen2_vl",
+    "tiny_qwen2_5_vl_config",
+    "tiny_qwen2_vl_config",
+]
+
+TINY_SEED = 0
+TINY_TEXT_HIDDEN_SIZE = 64
+
+# Special token ids inside the 512-token vocabulary (the real models' ids lie far above it).
+_IMAGE_TOKEN_ID = 500
+_VIDEO_TOKEN_ID = 501
+_VISION_START_TOKEN_ID = 502
+_VISION_END_TOKEN_ID = 503
+_BOS_TOKEN_ID = 1
+_EOS_TOKEN_ID = 2
+_PAD_TOKEN_ID = 0
+
+
+def _evaluation_mode(module: torch.nn.Module) -> None:
+    # Module.eval via the base class: transformers' own annotations hide its type.
+    module.train(False)
+
+
+def _text_config() -> dict[str, Any]:
+    return {
+        "vocab_size": 512,
+        "hidden_size": TINY_TEXT_HIDDEN_SIZE,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        # Multimodal RoPE over (t, h, w); the sections sum to head_dim / 2 = 8.
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "bos_token_id": _BOS_TOKEN_ID,
+        "eos_token_id": _EOS_TOKEN_ID,
+        "pad_token_id": _PAD_TOKEN_ID,
+    }
+
+
+def tiny_qwen2_vl_config() -> Qwen2VLConfig:
+    """The full (vision + text) config of ``"tiny"``: a 2-layer, 64-wide Qwen2-VL.
+
+    The vision tower has depth 2, ``embed_dim`` 64, 4 heads and ``mlp_ratio`` 2; its merger
+    outputs 64-wide tokens, the text model's hidden size. Image token id 500, video 501,
+    vision start/end 502/503, bos 1, eos 2, pad 0. Returns a fresh object on every call.
+    """
+    vision = {"depth": 2, "embed_dim": 64, "hidden_size": 64, "num_heads": 4, "mlp_ratio": 2}
+    return Qwen2VLConfig(
+        text_config=_text_config(),
+        vision_config=vision,
+        image_token_id=_IMAGE_TOKEN_ID,
+        video_token_id=_VIDEO_TOKEN_ID,
+        vision_start_token_id=_VISION_START_TOKEN_ID,
+        vision_end_token_id=_VISION_END_TOKEN_ID,
+    )
+
+
+def tiny_qwen2_5_vl_config() -> Qwen2_5_VLConfig:
+    """The full config of ``"tiny-qwen2.5-vl"``: as :func:`tiny_qwen2_vl_config`, Qwen2.5-VL.
+
+    The vision tower has depth 2, width 64, an MLP of 128, 4 heads, window attention in
+    block 0 and full attention in block 1, and 64-wide output tokens.
+    """
+    vision = {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "out_hidden_size": TINY_TEXT_HIDDEN_SIZE,
+        "fullatt_block_indexes": [1],
+    }
+    return Qwen2_5_VLConfig(
+        text_config=_text_config(),
+        vision_config=vision,
+        image_token_id=_IMAGE_TOKEN_ID,
+        video_token_id=_VIDEO_TOKEN_ID,
+        vision_start_token_id=_VISION_START_TOKEN_ID,
+        vision_end_token_id=_VISION_END_TOKEN_ID,
+    )
+
+
+def build_tiny_qwen2_vl(*, seed: int = TINY_SEED) -> Qwen2VLForConditionalGeneration:
+    """Build the seeded full tiny Qwen2-VL (float32, eval mode, CPU). Blocks for ~20 ms.
+
+    The global torch RNG state is saved and restored around the build, so callers' random
+    streams are undisturbed; the build itself must not race with other users of the global
+    CPU generator in other threads.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(tiny_qwen2_vl_config())
+    _evaluation_mode(model)
+    return model
+
+
+def build_tiny_qwen2_5_vl(*, seed: int = TINY_SEED) -> Qwen2_5_VLForConditionalGeneration:
+    """Build the seeded full tiny Qwen2.5-VL; see :func:`build_tiny_qwen2_vl`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config())
+    _evaluation_mode(model)
+    return model
