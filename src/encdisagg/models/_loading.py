@@ -71,6 +71,22 @@ def _move(module: torch.nn.Module, where: torch.dtype | torch.device) -> None:
     module.to(where)
 
 
+def _cast_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast parameters and saved buffers, as loading a checkpoint in ``dtype`` would.
+
+    ``module.to(dtype)`` would also cast the unsaved buffers (the rotary ``inv_freq``), which
+    transformers computes and keeps in float32; a bfloat16 copy of them changes the output,
+    so a saved and reloaded model would no longer match the one that wrote it.
+    """
+    saved = set(module.state_dict())
+    for prefix, submodule in module.named_modules():
+        for name, buffer in list(submodule.named_buffers(recurse=False)):
+            if f"{prefix}.{name}".lstrip(".") in saved and buffer.is_floating_point():
+                submodule.register_buffer(name, buffer.to(dtype))
+    for parameter in module.parameters():
+        parameter.data = parameter.data.to(dtype)
+
+
 def _parse_device(device: str) -> torch.device:
     try:
         return torch.device(device)
@@ -194,7 +210,7 @@ def load_model(
         tower = _BUILDERS[name]()
         processor = Qwen2VLImageProcessorPil()
         if wanted_dtype is not None:
-            _move(tower, wanted_dtype)
+            _cast_weights(tower, wanted_dtype)
     else:
         folder = Path(name).expanduser()
         if not folder.is_dir():
