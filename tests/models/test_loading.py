@@ -24,9 +24,6 @@ from encdisagg.models._loading import parse_dtype
 
 from ._media_samples import encode, make_image
 
-# Model loading logs which weights it skipped and shows progress bars; neither is ours.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:tqdm.*")
-
 
 @pytest.fixture(scope="module")
 def probe(tiny: QwenVisionModel) -> Preprocessed:

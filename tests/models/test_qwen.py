@@ -147,6 +147,8 @@ class TestForward:
         assert out.is_contiguous()
         assert torch.isfinite(out).all()
         assert not out.requires_grad
+        assert not out.is_inference()  # callers may update it in place
+        out.mul_(2)
 
     def test_fused_batch_splits_per_element(
         self, tiny: QwenVisionModel, square_pre: Preprocessed

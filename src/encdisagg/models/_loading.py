@@ -150,6 +150,7 @@ def _load_folder(
             dtype=dtype,
             local_files_only=True,
             key_mapping=_FULL_CHECKPOINT_KEYS,
+            use_safetensors=True,  # never unpickle weight files
             output_loading_info=True,
         )
         processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)

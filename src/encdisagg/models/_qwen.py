@@ -329,16 +329,15 @@ class QwenVisionModel:
                 grid_thw=torch.cat(grids).to(self.device),
             )
             rows: torch.Tensor = output.pooler_output
-        if rows.dim() == 2 and rows.shape[1] != self._hidden_size:
+        pieces = split_embedding(rows, totals)
+        if rows.shape[1] != self._hidden_size:
             raise InternalError(
                 f"Encoder produced {rows.shape[1]}-wide tokens, expected {self._hidden_size}"
             )
-        pieces = split_embedding(rows, totals)
-        if len(pieces) == 1:
-            return [pieces[0].contiguous()]
-        # Each element gets its own storage, so staging or freeing one request's embedding
-        # neither keeps its batch-mates' memory alive nor aliases it.
-        return [piece.clone() for piece in pieces]
+        # Cloning outside inference mode gives ordinary tensors (inference tensors refuse
+        # in-place updates anywhere else), each with its own storage, so staging or freeing
+        # one request's embedding neither keeps its batch-mates' memory alive nor aliases it.
+        return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
 
     def _empty(self) -> torch.Tensor:
         return torch.empty((0, self._hidden_size), dtype=self.dtype, device=self.device)
