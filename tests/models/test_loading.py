@@ -86,6 +86,15 @@ class TestBadNames:
         with pytest.raises(BadRequestError, match=r"has no preprocessor_config\.json"):
             load_model(tmp_path)
 
+    def test_processor_must_match_the_tower(self, tmp_path: Path, tiny: QwenVisionModel) -> None:
+        tiny.save_pretrained(tmp_path)
+        config_path = tmp_path / "preprocessor_config.json"
+        config = json.loads(config_path.read_text())
+        config["merge_size"] = 4
+        config_path.write_text(json.dumps(config))
+        with pytest.raises(BadRequestError, match="merge_size=4, but its tower"):
+            load_model(tmp_path)
+
     def test_bad_dtype_and_device(self) -> None:
         with pytest.raises(BadRequestError, match="dtype"):
             load_model("tiny", dtype="int8")

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +77,19 @@ class TestTokenCounts:
         pre = tiny.preprocess([frames, webp], Modality.VIDEO)
         assert pre.grid == ((3, 32, 32), (2, 32, 32))
         assert pre.token_counts == (768, 512)
+
+    def test_video_file_with_pyav(self, tiny: QwenVisionModel, tmp_path: Path) -> None:
+        av = pytest.importorskip("av")
+        path = tmp_path / "clip.mp4"
+        with av.open(str(path), "w") as container:
+            stream = container.add_stream("mpeg4", rate=2)
+            stream.width, stream.height = 448, 448
+            for seed in range(4):
+                frame = av.VideoFrame.from_image(make_image(448, 448, seed=seed))
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode(None))
+        pre = tiny.preprocess([path.read_bytes()], Modality.VIDEO)
+        assert pre.grid == ((2, 32, 32),)
 
     def test_tiny_qwen25_counts_the_same(
         self, tiny25: QwenVisionModel, square: Image.Image, wide: Image.Image

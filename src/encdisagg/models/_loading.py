@@ -191,8 +191,12 @@ def load_model(
     :param dtype: the tower's dtype; ``None`` means the checkpoint's own (``float32`` for the
         built-in models).
     :param device: where the tower runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
-    :param max_media_bytes: / :param remote_media_domains: / :param remote_media_timeout_s: /
-        :param allow_local_files: / :param max_video_frames: the :class:`MediaPolicy`.
+    :param max_media_bytes: largest encoded media item accepted, in bytes.
+    :param remote_media_domains: domains ``http(s)`` items may be fetched from; empty (the
+        default) refuses every URL.
+    :param remote_media_timeout_s: socket timeout of remote fetches.
+    :param allow_local_files: whether items may name files on this machine.
+    :param max_video_frames: most frames of one video item.
     :raises BadRequestError: naming ``model`` for an unknown name, a missing folder or an
         unloadable checkpoint; ``dtype``, ``device`` or the media field for invalid values.
     """

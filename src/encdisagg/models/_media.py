@@ -293,7 +293,7 @@ def _pyav_frames(data: bytes, label: str, policy: MediaPolicy) -> list[Image.Ima
     interval = 1.0 / VIDEO_FILE_FPS
     next_time = 0.0
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), mode="r") as container:
             for frame in container.decode(container.streams.video[0]):
                 when = float(frame.time) if frame.time is not None else next_time
                 if when + 1e-9 < next_time:

@@ -48,6 +48,12 @@ _OUTPUT_WIDTH_KEYS: Final = {
     "qwen2_5_vl_vision": "out_hidden_size",  # Qwen2.5-VL: hidden_size is the ViT width
 }
 SUPPORTED_VISION_TYPES: Final = tuple(_OUTPUT_WIDTH_KEYS)
+# Processor setting -> tower config setting; they must agree or token counts are wrong.
+_SHARED_SETTINGS: Final = {
+    "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "merge_size": "spatial_merge_size",
+}
 
 
 def _update_with_tensor(digest: Any, tensor: torch.Tensor) -> None:
@@ -90,9 +96,11 @@ class QwenVisionModel:
         ``Qwen2_5_VisionTransformerPretrainedModel``, already on its device and dtype.
     :param image_processor: the image processor whose settings fix the token counts.
     :param name: the model's name (a built-in name or the checkpoint folder).
-    :param media: limits on the media items accept.
-    :param video_min_pixels: / :param video_max_pixels: the pixel range frames are resized to.
-    :raises BadRequestError: naming ``model`` if ``tower`` is no supported vision tower.
+    :param media: which media items may be and where they may come from.
+    :param video_min_pixels: fewest pixels a video frame is resized to.
+    :param video_max_pixels: most pixels a video frame is resized to.
+    :raises BadRequestError: naming ``model`` if ``tower`` is no supported vision tower or the
+        processor's patch sizes do not match the tower's.
     """
 
     def __init__(
@@ -111,6 +119,14 @@ class QwenVisionModel:
                 f"model: {name!r} is a {model_type!r} model; supported vision towers are "
                 f"{', '.join(SUPPORTED_VISION_TYPES)}"
             )
+        for setting, tower_setting in _SHARED_SETTINGS.items():
+            ours = getattr(image_processor, setting, None)
+            theirs = getattr(tower.config, tower_setting, None)
+            if ours != theirs:
+                raise BadRequestError(
+                    f"model: {name!r} has a processor with {setting}={ours!r}, but its tower "
+                    f"has {tower_setting}={theirs!r}"
+                )
         module: torch.nn.Module = tower
         module.train(False)  # eval mode; via the base class, whose annotations mypy sees
         self._tower = tower
