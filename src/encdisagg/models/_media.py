@@ -298,7 +298,8 @@ def _pyav_frames(data: bytes, label: str, policy: MediaPolicy) -> list[Image.Ima
                 when = float(frame.time) if frame.time is not None else next_time
                 if when + 1e-9 < next_time:
                     continue
-                frames.append(frame.to_image().convert("RGB"))
+                image = frame.to_image()  # type: ignore[no-untyped-call,unused-ignore]
+                frames.append(image.convert("RGB"))
                 next_time = when + interval
                 if len(frames) >= 2 * policy.max_video_frames:
                     # Bound memory on long videos: keep every other frame and sample half
