@@ -191,3 +191,12 @@ class TestAbortAckTracker:
         assert acks.is_release_safe(9, 1)
         acks.clear(9, generation=new)
         assert 9 not in acks
+
+
+def test_public_names_are_exported_from_the_package() -> None:
+    import encdisagg.decode as decode
+
+    for name in decode.__all__:
+        obj = getattr(decode, name)
+        if isinstance(obj, type):
+            assert obj.__module__ == "encdisagg.decode", name

@@ -11,16 +11,19 @@ import logging
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
 from .._errors import InternalError
 from ..nurseries import run_thread_to_completion
-from ..transfer import TransferEngine
 from ._pages import PageAllocator
 from ._slots import MetadataRow
 from ._transfer import CommitStatus, DecodeRequest
+
+if TYPE_CHECKING:
+    from ..transfer import TransferEngine
 
 __all__ = ["KVPagePool", "MetadataSlotTable", "PagedKVSink", "kv_checksum"]
 
