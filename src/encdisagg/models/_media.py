@@ -110,10 +110,16 @@ def _read_file(path: Path, label: str, policy: MediaPolicy) -> bytes:
     if not policy.allow_local_files:
         raise BadRequestError(f"{label}: local file paths are not allowed")
     try:
+        if not path.is_file():  # devices and pipes could stream forever
+            raise BadRequestError(f"{label}: cannot read file: not a regular file")
         _check_size(path.stat().st_size, label, policy)
-        return path.read_bytes()
+        with path.open("rb") as file:
+            # One byte past the cap, in case the file grew since stat().
+            data = file.read(policy.max_media_bytes + 1)
     except OSError as exc:
         raise BadRequestError(f"{label}: cannot read file: {exc.strerror or exc}") from exc
+    _check_size(len(data), label, policy)
+    return data
 
 
 def _decode_data_url(url: str, label: str, policy: MediaPolicy) -> bytes:
