@@ -225,7 +225,7 @@ def media_server(png: bytes, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         monkeypatch.delenv(name, raising=False)
     handler = type("Handler", (_Handler,), {"payload": png})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
