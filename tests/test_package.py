@@ -23,11 +23,19 @@ from encdisagg import (
 from encdisagg._cli import main
 
 
-def test_every_export_exists_and_claims_the_public_module() -> None:
+def test_every_export_exists_and_claims_a_public_module() -> None:
     for name in encdisagg.__all__:
         obj = getattr(encdisagg, name)
         if isinstance(obj, type):
-            assert obj.__module__ == "encdisagg", name
+            assert not any(part.startswith("_") for part in obj.__module__.split(".")), name
+
+
+def test_import_stays_light() -> None:
+    code = "import sys, encdisagg; print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize(

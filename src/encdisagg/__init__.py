@@ -3,7 +3,15 @@
 Vision and audio encoders run as their own service and ship embeddings to the LLM's prefill
 instances. Every encode, send and transfer runs inside a task group that owns the memory it
 touches, so memory is never released while a transfer still reads it.
+
+The names that need torch (``Encoder`` and its request types) load on first use, so that
+``import encdisagg`` and the command line's ``--help`` stay fast.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._config import EncoderConfig as EncoderConfig
 from ._errors import (
@@ -16,11 +24,46 @@ from ._errors import (
     ServiceUnavailableError as ServiceUnavailableError,
     TransferError as TransferError,
 )
+from ._modality import Modality as Modality
 from ._version import __version__ as __version__
+
+if TYPE_CHECKING:
+    from .encoder import (
+        Encoder as Encoder,
+        EncodeRequest as EncodeRequest,
+        EncodeResult as EncodeResult,
+        EncoderStats as EncoderStats,
+        MooncakeDestination as MooncakeDestination,
+        ZmqDestination as ZmqDestination,
+    )
+    from .models import Preprocessed as Preprocessed, VisionModel as VisionModel
+    from .transfer import TransferEngine as TransferEngine
+
+_LAZY = {
+    "Encoder": "encdisagg.encoder",
+    "EncodeRequest": "encdisagg.encoder",
+    "EncodeResult": "encdisagg.encoder",
+    "EncoderStats": "encdisagg.encoder",
+    "MooncakeDestination": "encdisagg.encoder",
+    "ZmqDestination": "encdisagg.encoder",
+    "TransferEngine": "encdisagg.transfer",
+    "VisionModel": "encdisagg.models",
+    "Preprocessed": "encdisagg.models",
+}
 
 __all__ = (
     "__version__",
     "EncoderConfig",
+    "Modality",
+    "Encoder",
+    "EncodeRequest",
+    "EncodeResult",
+    "EncoderStats",
+    "MooncakeDestination",
+    "ZmqDestination",
+    "TransferEngine",
+    "VisionModel",
+    "Preprocessed",
     "EncdisaggError",
     "BadRequestError",
     "NotFoundError",
@@ -31,6 +74,20 @@ __all__ = (
     "InternalError",
 )
 
-for _name in __all__[1:]:
-    globals()[_name].__module__ = __name__
+for _name in __all__:
+    if _name not in _LAZY and _name != "__version__":
+        globals()[_name].__module__ = __name__
 del _name
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'encdisagg' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

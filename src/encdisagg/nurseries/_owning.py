@@ -113,8 +113,7 @@ class OwningScope(Generic[T]):
         self._active_tasks = 0
         self._cancel_requested = False
         self._started = False
-        #: True once the deadline cancelled the scope's work.
-        self.expired = False
+        self._expired = False
 
     # -- decisions: synchronous, never checkpoint ------------------------------------------
 
@@ -126,6 +125,13 @@ class OwningScope(Generic[T]):
     def accepting(self) -> bool:
         """Whether new work is accepted right now."""
         return self._state is ScopeState.OPEN and anyio.current_time() < self._deadline
+
+    @property
+    def expired(self) -> bool:
+        """Whether the deadline passed while the scope still held its work."""
+        if self._state in (ScopeState.OPEN, ScopeState.WINDING_DOWN):
+            return not self._cancel_requested and anyio.current_time() >= self._deadline
+        return self._expired
 
     @property
     def active_tasks(self) -> int:
@@ -270,7 +276,7 @@ class OwningScope(Generic[T]):
                 await self._wind_down_requested.wait()
                 self._state = ScopeState.WINDING_DOWN
             # Reached only when the group is done: every task inside it has returned.
-            self.expired = group.cancel_scope.cancelled_caught and not self._cancel_requested
+            self._expired = group.cancel_scope.cancelled_caught and not self._cancel_requested
         except BaseException as exc:
             self._state = ScopeState.RELEASING
             await self._release_once(exc)

@@ -1,0 +1,30 @@
+"""The Encoder: request lifecycle, batching, caching, staging and delivery."""
+
+from ._cache import PrefixCache as PrefixCache
+from ._encoder import Encoder as Encoder, EncoderEvents as EncoderEvents
+from ._types import (
+    Destination as Destination,
+    EncodeRequest as EncodeRequest,
+    EncodeResult as EncodeResult,
+    EncoderStats as EncoderStats,
+    MooncakeDestination as MooncakeDestination,
+    ZmqDestination as ZmqDestination,
+)
+
+__all__ = (
+    "Encoder",
+    "EncoderEvents",
+    "EncodeRequest",
+    "EncodeResult",
+    "EncoderStats",
+    "Destination",
+    "MooncakeDestination",
+    "ZmqDestination",
+    "PrefixCache",
+)
+
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, type):
+        _value.__module__ = __name__
+del _name, _value

@@ -1,0 +1,196 @@
+"""The batching scheduler: one task owns the model and fuses jobs into forwards."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .._errors import (
+    EncdisaggError,
+    InternalError,
+    ServiceUnavailableError,
+)
+from .._modality import Modality
+from ..models import Preprocessed, VisionModel
+from ..nurseries import run_thread_to_completion
+
+__all__ = ["Batcher", "ForwardJob", "check_token_count"]
+
+_log = logging.getLogger("encdisagg.encoder")
+
+
+def check_token_count(output: torch.Tensor, pre: Preprocessed) -> None:
+    """:raises InternalError: if ``output`` has another row count than ``pre`` promised."""
+    expected = sum(pre.token_counts)
+    produced = int(output.shape[0]) if output.dim() >= 1 else 0
+    if produced != expected:
+        raise InternalError(
+            f"Encoder produced {produced} tokens, but preprocessor metadata expected {expected}"
+        )
+
+
+@dataclass(eq=False, slots=True)
+class ForwardJob:
+    """One request's preprocessed input waiting for a forward.
+
+    Written by the batcher, read by the request's encode job after ``done`` is set.
+    """
+
+    req_id: str
+    modality: Modality
+    pre: Preprocessed
+    done: anyio.Event = field(default_factory=anyio.Event)
+    output: torch.Tensor | None = None
+    error: BaseException | None = None
+    #: Set by the encode job when its caller left; the batcher then skips the job.
+    abandoned: bool = False
+
+    def finish(self, output: torch.Tensor | None, error: BaseException | None) -> None:
+        self.output = output
+        self.error = error
+        self.done.set()
+
+
+class Batcher:
+    """Collects :class:`ForwardJob`s and runs them through the model in batches.
+
+    Jobs of one modality are fused up to ``max_batch_size``; the forward runs in a worker
+    thread that is never abandoned (cancelling the batcher waits for it). If a fused
+    forward raises, its jobs are retried one at a time, so one bad input does not fail its
+    batch-mates; a job whose output has the wrong row count fails alone.
+    """
+
+    def __init__(
+        self,
+        model: VisionModel,
+        *,
+        max_batch_size: int,
+        max_queued_jobs: int,
+        on_batch: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self._model = model
+        self._max_batch_size = max_batch_size
+        send, receive = anyio.create_memory_object_stream[ForwardJob](max_queued_jobs)
+        self._send: MemoryObjectSendStream[ForwardJob] = send
+        self._receive: MemoryObjectReceiveStream[ForwardJob] = receive
+        self._on_batch = on_batch
+        self._forward_limiter = anyio.CapacityLimiter(1)
+        #: Forwards run so far (fused batches and single retries alike).
+        self.forwards = 0
+
+    async def submit(self, job: ForwardJob) -> None:
+        """Queue ``job``; a checkpoint. Waits while the queue is full (bound it with
+        ``anyio.fail_after``).
+
+        :raises ServiceUnavailableError: if the batcher has stopped.
+        """
+        try:
+            await self._send.send(job)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise ServiceUnavailableError(
+                "the encoder is shutting down", req_id=job.req_id
+            ) from None
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve jobs until cancelled; jobs left in the queue then fail with 503."""
+        task_status.started()
+        try:
+            async with self._receive:
+                async for first in self._receive:
+                    batch = [first]
+                    while len(batch) < self._max_batch_size:
+                        try:
+                            batch.append(self._receive.receive_nowait())
+                        except anyio.WouldBlock:
+                            break
+                    await self._run_batch(batch)
+        finally:
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        self._send.close()
+        while True:
+            try:
+                job = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            job.finish(None, ServiceUnavailableError("the encoder is shutting down"))
+
+    async def _run_batch(self, batch: Sequence[ForwardJob]) -> None:
+        try:
+            await self._run_groups(batch)
+        finally:
+            # Cancelled mid-batch (shutdown): nobody may wait for a job that will never run.
+            for job in batch:
+                if not job.done.is_set():
+                    job.finish(None, ServiceUnavailableError("the encoder is shutting down"))
+
+    async def _run_groups(self, batch: Sequence[ForwardJob]) -> None:
+        by_modality: dict[Modality, list[ForwardJob]] = {}
+        for job in batch:
+            if job.abandoned:
+                job.finish(None, None)
+                continue
+            by_modality.setdefault(job.modality, []).append(job)
+        for group in by_modality.values():
+            await self._forward_group(group)
+
+    async def _forward_group(self, group: list[ForwardJob]) -> None:
+        try:
+            outputs = await self._forward([job.pre for job in group])
+        except Exception as exc:
+            if len(group) == 1:
+                group[0].finish(None, _as_internal(exc, group[0].req_id))
+                return
+            _log.warning(
+                "fused forward of %d requests failed (%r); retrying one at a time",
+                len(group),
+                exc,
+            )
+            for job in group:
+                if job.abandoned:
+                    job.finish(None, None)
+                    continue
+                await self._forward_group([job])
+            return
+        if len(outputs) != len(group):
+            error = InternalError(
+                f"the model returned {len(outputs)} outputs for a batch of {len(group)}"
+            )
+            for job in group:
+                job.finish(None, error)
+            return
+        for job, output in zip(group, outputs, strict=True):
+            try:
+                check_token_count(output, job.pre)
+            except InternalError as exc:
+                exc.req_id = job.req_id
+                job.finish(None, exc)
+            else:
+                job.finish(output, None)
+
+    async def _forward(self, batch: list[Preprocessed]) -> list[torch.Tensor]:
+        start = anyio.current_time()
+        outputs = await run_thread_to_completion(
+            self._model.forward, batch, limiter=self._forward_limiter
+        )
+        self.forwards += 1
+        if self._on_batch is not None:
+            self._on_batch(len(batch), anyio.current_time() - start)
+        return outputs
+
+
+def _as_internal(exc: Exception, req_id: str) -> EncdisaggError:
+    if isinstance(exc, EncdisaggError):
+        return exc
+    error = InternalError(f"req_id {req_id!r}: the model's forward failed: {exc!r}", req_id=req_id)
+    error.__cause__ = exc
+    return error

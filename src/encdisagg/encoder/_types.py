@@ -1,0 +1,143 @@
+"""Requests, results and destinations of the Encoder's public API."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .._errors import BadRequestError
+from .._modality import Modality
+
+__all__ = [
+    "Destination",
+    "EncodeRequest",
+    "EncodeResult",
+    "EncoderStats",
+    "MooncakeDestination",
+    "ZmqDestination",
+]
+
+
+def _require_int(name: str, value: object) -> int:
+    # bool is an int subclass; a JSON `true` must not pass as `1`.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequestError(f"{name} must be an integer, got {type(value).__name__}")
+    return value
+
+
+def _require_text(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise BadRequestError(f"{name} must be a non-empty string")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeRequest:
+    """One part of a multimodal request: its media items and where the part sits.
+
+    Invalid values raise :class:`~encdisagg.BadRequestError` naming the field.
+    """
+
+    req_id: str
+    items: Sequence[object]
+    modality: Modality | str = Modality.IMAGE
+    num_parts: int = 1
+    part_idx: int = 0
+    hashes: Sequence[str] | None = None
+    _modality: Modality = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _require_text("req_id", self.req_id)
+        if isinstance(self.items, (str, bytes)) or not isinstance(self.items, Sequence):
+            raise BadRequestError("items must be a list of media items")
+        if len(self.items) == 0:
+            raise BadRequestError(f"items must not be empty (req_id {self.req_id!r})")
+        object.__setattr__(self, "items", tuple(self.items))
+        object.__setattr__(self, "_modality", Modality.parse(self.modality))
+        object.__setattr__(self, "modality", self._modality)
+        num_parts = _require_int("num_parts", self.num_parts)
+        if num_parts < 1:
+            raise BadRequestError(f"num_parts must be at least 1; got {num_parts}")
+        part_idx = _require_int("part_idx", self.part_idx)
+        if not 0 <= part_idx < num_parts:
+            raise BadRequestError(f"part_idx must be in [0, {num_parts}); got {part_idx}")
+        if self.hashes is not None:
+            if isinstance(self.hashes, str) or not isinstance(self.hashes, Sequence):
+                raise BadRequestError("hashes must be a list of strings")
+            if len(self.hashes) != len(self.items):
+                raise BadRequestError(
+                    f"hashes has {len(self.hashes)} entries but items has {len(self.items)}"
+                )
+            for index, value in enumerate(self.hashes):
+                _require_text(f"hashes[{index}]", value)
+            object.__setattr__(self, "hashes", tuple(self.hashes))
+
+    @property
+    def kind(self) -> Modality:
+        """The parsed modality."""
+        return self._modality
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeResult:
+    """What an encode staged: the embedding's size and per-item layout."""
+
+    req_id: str
+    num_tokens: int
+    hidden_size: int
+    dtype: str
+    nbytes: int
+    token_counts: tuple[int, ...]
+    grid: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqDestination:
+    """A receiver's ZMQ PULL endpoint, ``"tcp://host:port"``."""
+
+    url: str
+
+    def __post_init__(self) -> None:
+        _require_text("receive_url", self.url)
+        if "://" not in self.url:
+            raise BadRequestError(f"receive_url must look like tcp://host:port; got {self.url!r}")
+
+    @property
+    def identity(self) -> str:
+        """What counts as one destination for ``receive_count``."""
+        return self.url
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeDestination:
+    """A receiver's registered buffer, written with the Mooncake transfer engine."""
+
+    session_id: str
+    buffer_address: int
+    endpoint: str
+
+    def __post_init__(self) -> None:
+        _require_text("session_id", self.session_id)
+        address = _require_int("buffer_address", self.buffer_address)
+        if address <= 0:
+            raise BadRequestError(f"buffer_address must be positive; got {address}")
+        _require_text("endpoint", self.endpoint)
+
+    @property
+    def identity(self) -> str:
+        """What counts as one destination for ``receive_count``."""
+        return self.endpoint
+
+
+Destination = ZmqDestination | MooncakeDestination
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderStats:
+    """A snapshot of what an Encoder holds. The first three are zero when it is idle."""
+
+    live_requests: int
+    staged_bytes: int
+    registered_regions: int
+    inflight_transfers: int
+    cache_entries: int
