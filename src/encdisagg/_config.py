@@ -115,6 +115,9 @@ class EncoderConfig:
     max_media_bytes: int = 64 * 1024 * 1024
     #: Domains from which http(s) media may be fetched; empty disables remote media.
     remote_media_domains: tuple[str, ...] = field(default_factory=tuple)
+    #: Whether media items may name local files. Turn off for servers facing untrusted
+    #: clients, or a client can make the encoder read any file it can access.
+    allow_local_files: bool = True
     #: Global embedding cache (Mooncake Store) URL; ``None`` turns it off.
     global_cache: str | None = None
 

@@ -223,7 +223,14 @@ class Encoder(anyio.AsyncContextManagerMixin):
         async with AsyncExitStack() as stack:
             if self._model is None:
                 self._model = await run_thread_to_completion(
-                    lambda: load_model(config.model, dtype=config.dtype, device=config.device)
+                    lambda: load_model(
+                        config.model,
+                        dtype=config.dtype,
+                        device=config.device,
+                        max_media_bytes=config.max_media_bytes,
+                        remote_media_domains=config.remote_media_domains,
+                        allow_local_files=config.allow_local_files,
+                    )
                 )
             if self._engine is None:
                 self._engine = await self._open_engine(stack)
