@@ -120,7 +120,7 @@ class LoopbackEngine(anyio.AsyncContextManagerMixin):
         :raises TransferError: naming the call for an unknown target session, a range outside
             the registered regions, ``nbytes <= 0``, or a closed engine.
         """
-        call = f"loopback write to {target_session!r}"
+        call = f"loopback write to {target_session}"
         check_range(call, "local_ptr", local_ptr, nbytes)
         check_range(call, "remote_ptr", remote_ptr, nbytes)
         with self._fabric._lock:

@@ -191,8 +191,9 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
                 self._evict(connection)
             if self._owns_context and self._context is not None:
                 context, self._context = self._context, None
-                # term() blocks until ZMQ dropped what the closed sockets held.
-                await run_thread_to_completion(context.term)
+                # Every socket is closed by now; destroy() would close stragglers rather
+                # than block forever, as term() would.
+                await run_thread_to_completion(context.destroy, 0)
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[ZmqPushPool]:
@@ -422,7 +423,7 @@ class ZmqReceiver(anyio.AsyncContextManagerMixin):
         if self._owns_context and self._context is not None:
             context, self._context = self._context, None
             with anyio.CancelScope(shield=True):
-                await run_thread_to_completion(context.term)
+                await run_thread_to_completion(context.destroy, 0)
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[ZmqReceiver]:

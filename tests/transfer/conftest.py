@@ -1,0 +1,24 @@
+"""Fixtures of the transfer tests.
+
+Mooncake engines take about a second each to shut down, so the pair every Mooncake test
+shares runs for the whole session, on an event loop of its own (a blocking portal): the
+engine's methods block and need no loop; only its start and stop are async.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import pytest
+from anyio.from_thread import start_blocking_portal
+
+from encdisagg.transfer import MooncakeEngine
+
+
+@pytest.fixture(scope="session")
+def mooncake_pair() -> Iterator[tuple[MooncakeEngine, MooncakeEngine]]:
+    with start_blocking_portal() as portal, ExitStack() as stack:
+        first = stack.enter_context(portal.wrap_async_context_manager(MooncakeEngine()))
+        second = stack.enter_context(portal.wrap_async_context_manager(MooncakeEngine()))
+        yield first, second
