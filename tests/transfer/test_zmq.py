@@ -1,0 +1,344 @@
+"""ZmqPushPool and ZmqReceiver over real ZMQ sockets, on asyncio and Trio."""
+
+from __future__ import annotations
+
+import gc
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import msgpack
+import pytest
+import torch
+import zmq
+
+from encdisagg import BadRequestError, TransferError
+from encdisagg.transfer import (
+    EmbeddingHeader,
+    ZmqPushPool,
+    ZmqReceiver,
+    encode_header,
+    payload_view,
+)
+
+pytestmark = pytest.mark.anyio
+
+NOBODY = "tcp://127.0.0.1:1"
+
+
+class _TrackingSocket(zmq.Socket):  # type: ignore[type-arg]
+    """Records every tracker a send hands out, so tests can see when ZMQ let go."""
+
+    def send(
+        self, data: Any, flags: int = 0, copy: bool = True, track: bool = False, **kw: Any
+    ) -> Any:
+        tracker = super().send(data, flags, copy=copy, track=track, **kw)
+        if tracker is not None:
+            self.context.trackers.append(tracker)
+        return tracker
+
+
+class _TrackingContext(zmq.Context):  # type: ignore[type-arg]
+    _socket_class = _TrackingSocket
+    trackers: list[zmq.MessageTracker] | None = None
+
+
+@pytest.fixture
+def tracking() -> Iterator[_TrackingContext]:
+    context = _TrackingContext()
+    context.trackers = []
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_leaks() -> Iterator[None]:
+    # A socket or context left unclosed warns (ResourceWarning) when collected; collecting
+    # here makes such a leak fail the run (warnings are errors) instead of going unseen.
+    yield
+    gc.collect()
+
+
+def _header(req_id: str, tokens: int, hidden: int = 16, dtype: str = "float16") -> EmbeddingHeader:
+    return EmbeddingHeader(
+        req_id=req_id,
+        num_parts=1,
+        part_idx=0,
+        modality="image",
+        shape=(tokens, hidden),
+        dtype=dtype,
+        token_counts=(tokens,),
+        grid=((1, tokens),),
+    )
+
+
+def _error_header(req_id: str) -> EmbeddingHeader:
+    return EmbeddingHeader(
+        req_id=req_id,
+        num_parts=2,
+        part_idx=1,
+        modality="image",
+        shape=(0, 0),
+        dtype="float16",
+        token_counts=(),
+        grid=(),
+        error="image 0 could not be decoded",
+        status=400,
+    )
+
+
+def _free_tcp_url() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+async def test_round_trip_is_byte_exact_and_zero_copy() -> None:
+    small = torch.randn(300, 64).half()
+    large = torch.randn(4096, 256).half()  # 2 MiB: well past ZMQ's inline sizes
+    async with ZmqReceiver() as rx, ZmqPushPool(send_timeout_s=10) as pool:
+        assert rx.url.startswith("tcp://127.0.0.1:")
+        with anyio.fail_after(10):
+            for name, tensor in [("small", small), ("large", large)]:
+                header = _header(name, tensor.shape[0], tensor.shape[1])
+                await pool.send(rx.url, header, payload_view(tensor))
+                part = await rx.receive()
+                assert part.header == header
+                assert part.tensor is not None
+                assert part.tensor.dtype == torch.float16
+                assert torch.equal(part.tensor.view(torch.int16), tensor.view(torch.int16))
+        assert pool.endpoints == {rx.url}
+
+
+async def test_error_part_round_trip() -> None:
+    async with ZmqReceiver() as rx, ZmqPushPool(send_timeout_s=10) as pool:
+        with anyio.fail_after(10):
+            await pool.send(rx.url, _error_header("bad"), None)
+            part = await rx.receive()
+    assert part.tensor is None
+    assert part.header == _error_header("bad")
+    assert part.header.status == 400
+
+
+async def test_concurrent_sends_keep_header_and_payload_paired() -> None:
+    count = 24
+    tensors = {
+        f"req-{i}": torch.full((1 + 97 * i, 64), float(i), dtype=torch.float16)
+        for i in range(count)
+    }
+    received: dict[str, torch.Tensor] = {}
+    async with ZmqReceiver() as rx, ZmqPushPool(send_timeout_s=10, sndhwm=4) as pool:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for req_id, tensor in tensors.items():
+                    header = _header(req_id, tensor.shape[0], 64)
+                    tg.start_soon(pool.send, rx.url, header, payload_view(tensor))
+                for _ in range(count):
+                    part = await rx.receive()
+                    assert part.tensor is not None
+                    received[part.header.req_id] = part.tensor
+    assert received.keys() == tensors.keys()
+    for req_id, tensor in tensors.items():
+        assert torch.equal(received[req_id], tensor), req_id
+
+
+async def test_send_to_nobody_times_out_and_releases_the_payload(
+    tracking: _TrackingContext,
+) -> None:
+    payload = torch.ones(1024, 16, dtype=torch.float16)
+    async with ZmqPushPool(send_timeout_s=0.2, context=tracking) as pool:
+        started = anyio.current_time()
+        with (
+            anyio.fail_after(5),
+            pytest.raises(TransferError, match=r"timed out after 0\.2 s") as caught,
+        ):
+            await pool.send(NOBODY, _header("late", 1024), payload_view(payload))
+        assert anyio.current_time() - started >= 0.2
+        assert caught.value.req_id == "late"
+        assert tracking.trackers
+        assert all(tracker.done for tracker in tracking.trackers)
+        assert pool.endpoints == frozenset()
+
+
+async def test_cancelled_while_queued_returns_only_after_zmq_released_the_payload(
+    tracking: _TrackingContext,
+) -> None:
+    payload = torch.ones(1024, 16, dtype=torch.float16)
+    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pool.send, NOBODY, _header("r", 1024), payload_view(payload))
+                await anyio.wait_all_tasks_blocked()
+                # Queued on a socket that cannot deliver: ZMQ holds the payload.
+                assert pool.endpoints == {NOBODY}
+                [tracker] = tracking.trackers
+                assert not tracker.done
+                tg.cancel_scope.cancel()
+            # The send returned (cancelled) only once ZMQ let go of the payload.
+            assert tracker.done
+            assert pool.endpoints == frozenset()
+
+
+async def test_cancelled_while_waiting_for_room_leaves_the_socket_alone(
+    tracking: _TrackingContext,
+) -> None:
+    first, second = torch.ones(64, 16).half(), torch.ones(64, 16).half()
+    async with ZmqPushPool(send_timeout_s=30, context=tracking, sndhwm=1) as pool:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                first_scope, second_scope = anyio.CancelScope(), anyio.CancelScope()
+
+                async def send(scope: anyio.CancelScope, req_id: str, tensor: torch.Tensor) -> None:
+                    with scope:
+                        await pool.send(NOBODY, _header(req_id, 64), payload_view(tensor))
+
+                tg.start_soon(send, first_scope, "first", first)
+                await anyio.wait_all_tasks_blocked()
+                tg.start_soon(send, second_scope, "second", second)
+                await anyio.wait_all_tasks_blocked()
+                # The queue (high-water mark 1) is full: the second waits for room.
+                [first_tracker] = tracking.trackers
+                second_scope.cancel()
+                await anyio.wait_all_tasks_blocked()
+                # Nothing of the second reached ZMQ, so its cancellation closed nothing.
+                assert pool.endpoints == {NOBODY}
+                assert tracking.trackers == [first_tracker]
+                assert not first_tracker.done
+                first_scope.cancel()
+            assert first_tracker.done
+            assert pool.endpoints == frozenset()
+
+
+async def test_a_send_whose_queue_was_dropped_by_another_failure_fails(
+    tracking: _TrackingContext,
+) -> None:
+    tensors = [torch.ones(64, 16).half(), torch.ones(64, 16).half()]
+    outcome: list[str] = []
+    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+
+                async def survivor() -> None:
+                    with pytest.raises(TransferError, match="connection was reset"):
+                        await pool.send(NOBODY, _header("a", 64), payload_view(tensors[0]))
+                    outcome.append("a failed")
+
+                async def victim(scope: anyio.CancelScope) -> None:
+                    with scope:
+                        await pool.send(NOBODY, _header("b", 64), payload_view(tensors[1]))
+
+                tg.start_soon(survivor)
+                scope = anyio.CancelScope()
+                tg.start_soon(victim, scope)
+                await anyio.wait_all_tasks_blocked()
+                assert len(tracking.trackers) == 2
+                scope.cancel()
+    assert outcome == ["a failed"]
+    assert all(tracker.done for tracker in tracking.trackers)
+
+
+async def test_the_next_send_reconnects_after_an_eviction() -> None:
+    url = _free_tcp_url()
+    tensor = torch.arange(128, dtype=torch.float16).reshape(8, 16)
+    async with ZmqPushPool(send_timeout_s=0.2) as pool:
+        with anyio.fail_after(10):
+            with pytest.raises(TransferError, match="timed out"):
+                await pool.send(url, _header("early", 8), payload_view(tensor))
+            assert pool.endpoints == frozenset()
+            async with ZmqReceiver(url) as rx:
+                await pool.send(url, _header("later", 8), payload_view(tensor))
+                part = await rx.receive()
+    assert part.header.req_id == "later"
+    assert part.tensor is not None
+    assert torch.equal(part.tensor, tensor)
+
+
+async def test_the_receiver_survives_malformed_messages() -> None:
+    header = _header("ok", 4)
+    good = encode_header(header)
+    payload = bytes(4 * 16 * 2)
+    malformed: list[tuple[list[bytes], str]] = [
+        ([b"\xc1garbage", payload], "not valid msgpack"),
+        ([msgpack.packb({"v": 1})], "missing field"),
+        ([good, payload[:-2]], "needs 128"),
+        ([good], "payload of req_id 'ok' part 0 is missing"),
+        ([good, payload, payload], "has 3 frames"),
+        ([encode_header(_error_header("e")), payload], "carries a payload"),
+        ([good, bytes(4096)], "limit is 1024"),
+    ]
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    raw = context.socket(zmq.PUSH)
+    try:
+        async with ZmqReceiver(max_payload_bytes=1024) as rx:
+            raw.connect(rx.url)
+            with anyio.fail_after(10):
+                for frames, message in malformed:
+                    raw.send_multipart(frames)
+                    with pytest.raises(BadRequestError, match=message):
+                        await rx.receive()
+                raw.send_multipart([good, payload])
+                part = await rx.receive()
+        assert part.header == header
+    finally:
+        raw.close(linger=0)
+        context.term()
+
+
+async def test_closing_the_receiver_wakes_a_waiting_receive() -> None:
+    rx = ZmqReceiver()
+    with pytest.raises(RuntimeError, match="entered"):
+        _ = rx.url
+    outcome: list[str] = []
+
+    async def receive() -> None:
+        with pytest.raises(anyio.ClosedResourceError):
+            await rx.receive()
+        outcome.append("woken")
+
+    async with rx, anyio.create_task_group() as tg:
+        tg.start_soon(receive)
+        await anyio.wait_all_tasks_blocked()
+        await rx.aclose()
+    assert outcome == ["woken"]
+    with pytest.raises(anyio.ClosedResourceError):
+        await rx.receive()
+
+
+async def test_closing_the_pool_aborts_running_sends_after_release(
+    tracking: _TrackingContext,
+) -> None:
+    payload = torch.ones(256, 16, dtype=torch.float16)
+    outcome: list[str] = []
+    pool = ZmqPushPool(send_timeout_s=30, context=tracking)
+
+    async def send() -> None:
+        with pytest.raises(TransferError, match="push pool closed"):
+            await pool.send(NOBODY, _header("r", 256), payload_view(payload))
+        outcome.append("aborted")
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            await anyio.wait_all_tasks_blocked()
+            await pool.aclose()
+            # aclose() waited for the send to give up, and ZMQ released the payload.
+            assert outcome == ["aborted"]
+            assert all(tracker.done for tracker in tracking.trackers)
+    with pytest.raises(TransferError, match="closed"):
+        await pool.send(NOBODY, _header("r", 256), payload_view(payload))
+    await pool.aclose()  # idempotent
+
+
+async def test_a_payload_that_does_not_match_its_header_is_refused() -> None:
+    tensor = torch.ones(8, 16).half()
+    async with ZmqPushPool() as pool:
+        with pytest.raises(BadRequestError, match="is 256 bytes; shape \\[9, 16\\]"):
+            await pool.send(NOBODY, _header("r", 9), payload_view(tensor))
+        with pytest.raises(BadRequestError, match="missing"):
+            await pool.send(NOBODY, _header("r", 8), None)
+        with pytest.raises(BadRequestError, match="error part"):
+            await pool.send(NOBODY, _error_header("r"), payload_view(tensor))
+        with pytest.raises(TransferError, match="cannot connect"):
+            await pool.send("not-a-url", _header("r", 8), payload_view(tensor))
+        assert pool.endpoints == frozenset()
