@@ -342,3 +342,35 @@ async def test_a_payload_that_does_not_match_its_header_is_refused() -> None:
         with pytest.raises(TransferError, match="cannot connect"):
             await pool.send("not-a-url", _header("r", 8), payload_view(tensor))
         assert pool.endpoints == frozenset()
+
+
+async def test_a_send_waiting_for_room_moves_to_a_fresh_socket_after_an_eviction(
+    tracking: _TrackingContext,
+) -> None:
+    first, second = torch.ones(64, 16).half(), torch.ones(64, 16).half()
+    async with ZmqPushPool(send_timeout_s=30, context=tracking, sndhwm=1) as pool:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                first_scope, first_returned = anyio.CancelScope(), anyio.Event()
+
+                async def send_first() -> None:
+                    with first_scope:
+                        await pool.send(NOBODY, _header("first", 64), payload_view(first))
+                    first_returned.set()
+
+                tg.start_soon(send_first)
+                await anyio.wait_all_tasks_blocked()
+                tg.start_soon(pool.send, NOBODY, _header("second", 64), payload_view(second))
+                await anyio.wait_all_tasks_blocked()
+                assert len(tracking.trackers) == 1
+                # Cancelling the queued send closes its socket, which wakes the send that
+                # waits for room: it queues its message on a new socket instead.
+                first_scope.cancel()
+                await first_returned.wait()
+                await anyio.wait_all_tasks_blocked()
+                first_tracker, second_tracker = tracking.trackers
+                assert first_tracker.done
+                assert not second_tracker.done
+                assert pool.endpoints == {NOBODY}
+                tg.cancel_scope.cancel()
+            assert second_tracker.done
