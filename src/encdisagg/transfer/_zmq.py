@@ -131,17 +131,22 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         ZMQ PUSH has no acknowledgments: a peer that disconnects mid-message loses it
         silently, so a receiver must bound its own wait.
 
-        Concurrent sends to one URL are queued whole, one after the other, and may overlap
-        on the wire. This is a checkpoint.
+        Concurrent sends to one URL queue their messages whole, one after another (frames
+        never interleave); up to ``sndhwm`` messages wait in ZMQ's queue at once, the
+        others wait for room. This is a checkpoint.
 
-        If the message cannot be queued and handed over within ``send_timeout_s``, or the
-        caller is cancelled while ZMQ holds the payload, or the pool closes meanwhile: the
-        endpoint's socket is closed with linger 0 and evicted (ZMQ drops what it queued,
-        including other sends' messages, which then fail as well), this call waits
-        (shielded, bounded) until ZMQ let go of the payload, and only then raises. A
-        cancellation that arrives while the message still waits for room in the queue
-        leaves the socket alone: nothing of it was handed to ZMQ. The next send to the URL
-        connects afresh.
+        If ZMQ still holds the payload when the call gives up (``send_timeout_s`` ran out,
+        the caller was cancelled, or the pool closed), the endpoint's socket is closed with
+        linger 0 and evicted: ZMQ drops everything queued on it, including other sends'
+        messages, which then fail too. This call then waits (shielded, bounded by
+        ``release_timeout_s``) until ZMQ let go of the payload, and only then raises. A call
+        that gives up while its message still waits for room leaves the socket alone:
+        nothing of it reached ZMQ, and the messages queued ahead fare on their own. The
+        next send to an evicted URL connects afresh.
+
+        A timeout raises :class:`~encdisagg.TransferError` (502), not
+        :class:`~encdisagg.RequestTimeoutError`: a peer that does not take the message is a
+        failed transfer, not a slow local wait.
 
         :raises BadRequestError: if ``payload`` does not match ``header`` (missing, present
             for an error part, not contiguous, or a size other than ``payload_nbytes``).
