@@ -1,0 +1,65 @@
+"""The prefill side of encoder disaggregation: getting a request's embeddings.
+
+- :class:`EncoderClient`: splits a request's media into parts across encoder servers
+  (:func:`assign_parts`) and drives their HTTP API (``/encode``, ``/send``, ``/release``);
+  failures name the encoder (:class:`EncoderCallError`).
+- :class:`EmbeddingReceiver`: where the parts land, over ZMQ or into a registered Mooncake
+  :class:`LandingPool`; validates and assembles them (:class:`ReceivedEmbeddings`).
+- :func:`fetch_embeddings`: both together, for one request, with cleanup on every path.
+"""
+
+from types import FunctionType as _FunctionType
+
+from ._client import (
+    EncoderCallError as EncoderCallError,
+    EncoderClient as EncoderClient,
+    MooncakeSendTarget as MooncakeSendTarget,
+    SendTarget as SendTarget,
+    ZmqSendTarget as ZmqSendTarget,
+)
+from ._fetch import fetch_embeddings as fetch_embeddings
+from ._landing import LandingPool as LandingPool, PageRun as PageRun
+from ._messages import PartMetadata as PartMetadata
+from ._plan import (
+    PartPlan as PartPlan,
+    RequestPlan as RequestPlan,
+    assign_parts as assign_parts,
+    part_req_id as part_req_id,
+)
+from ._receiver import (
+    EmbeddingPart as EmbeddingPart,
+    EmbeddingReceiver as EmbeddingReceiver,
+    ModalityEmbeddings as ModalityEmbeddings,
+    PendingEmbeddings as PendingEmbeddings,
+    ReceivedEmbeddings as ReceivedEmbeddings,
+    ReceiverStats as ReceiverStats,
+)
+
+__all__ = (
+    "EncoderClient",
+    "EncoderCallError",
+    "SendTarget",
+    "ZmqSendTarget",
+    "MooncakeSendTarget",
+    "PartMetadata",
+    "PartPlan",
+    "RequestPlan",
+    "assign_parts",
+    "part_req_id",
+    "EmbeddingReceiver",
+    "PendingEmbeddings",
+    "ReceivedEmbeddings",
+    "EmbeddingPart",
+    "ModalityEmbeddings",
+    "ReceiverStats",
+    "LandingPool",
+    "PageRun",
+    "fetch_embeddings",
+)
+
+for _name in __all__:
+    _obj = globals()[_name]
+    # Classes and functions claim the public module; the type alias has no module of its own.
+    if isinstance(_obj, (type, _FunctionType)):
+        _obj.__module__ = __name__
+del _name, _obj, _FunctionType

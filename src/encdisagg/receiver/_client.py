@@ -1,0 +1,381 @@
+"""``EncoderClient``: the prefill side's HTTP client of a set of encoder servers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import anyio.lowlevel
+import httpx
+
+from .._errors import BadRequestError, EncdisaggError, ServiceUnavailableError
+from .._modality import Modality
+from ._groups import first_error
+from ._messages import PartMetadata
+from ._plan import PartPlan, RequestPlan, assign_parts
+
+__all__ = ["EncoderCallError", "EncoderClient", "MooncakeSendTarget", "SendTarget", "ZmqSendTarget"]
+
+_log = logging.getLogger("encdisagg.receiver")
+
+#: Status given to an encoder that could not be reached, or answered nonsense.
+UNREACHABLE: Final = 502
+#: Status given to a call that ran out of time.
+TIMED_OUT: Final = 504
+
+
+class EncoderCallError(EncdisaggError):
+    """One call to one encoder failed.
+
+    :attr:`status` is the encoder's own answer status (``400`` for media it rejected,
+    ``503`` for an encoder shutting down…), ``502`` if it could not be reached or answered
+    something that is not the contract, ``504`` if the call timed out. :attr:`url` names
+    the encoder, :attr:`route` the call, :attr:`part_idx` the part.
+    """
+
+    status = UNREACHABLE
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str,
+        route: str,
+        status: int,
+        part_idx: int | None = None,
+        req_id: str | None = None,
+    ) -> None:
+        super().__init__(message, req_id=req_id)
+        self.url = url
+        self.route = route
+        self.part_idx = part_idx
+        # Per instance: the status is the encoder's answer, not a property of the class.
+        self.__dict__["status"] = status
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_call_error,
+            (self.message, self.url, self.route, self.status, self.part_idx, self.req_id),
+        )
+
+
+def _rebuild_call_error(
+    message: str, url: str, route: str, status: int, part_idx: int | None, req_id: str | None
+) -> EncoderCallError:
+    return EncoderCallError(
+        message, url=url, route=route, status=status, part_idx=part_idx, req_id=req_id
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqSendTarget:
+    """``/send`` body for a ZMQ delivery: the receiver's PULL endpoint."""
+
+    receive_url: str
+
+    def body(self, req_id: str) -> dict[str, Any]:
+        return {"req_id": req_id, "receive_url": self.receive_url}
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeSendTarget:
+    """``/send`` body for a Mooncake delivery: where in the receiver's registered memory the
+    encoder writes, and which engine session owns it."""
+
+    session_id: str
+    buffer_address: int
+    prefill_host: str
+    embedding_port: int
+
+    def body(self, req_id: str) -> dict[str, Any]:
+        return {
+            "req_id": req_id,
+            "session_id": self.session_id,
+            "buffer_address": self.buffer_address,
+            "prefill_host": self.prefill_host,
+            "embedding_port": self.embedding_port,
+        }
+
+
+SendTarget = ZmqSendTarget | MooncakeSendTarget
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        text = response.text.strip()
+        return text[:200] if text else response.reason_phrase
+    if isinstance(body, Mapping) and isinstance(body.get("message"), str):
+        return str(body["message"])
+    return str(body)[:200]
+
+
+class EncoderClient(anyio.AsyncContextManagerMixin):
+    """Sends the media of requests to a set of encoder servers, over HTTP.
+
+    ``async with EncoderClient(urls) as client:`` opens one connection pool for all encoders
+    (``httpx``; runs on asyncio and on Trio); leaving the block closes it.
+
+    A request's items are split into parts by modality and spread over the encoders
+    (:meth:`plan`, see :func:`assign_parts`); :meth:`encode` posts every part's
+    ``/encode`` at once, :meth:`send` asks an encoder to deliver one part, :meth:`release`
+    lets go of parts. Every call is bounded; a failure names the encoder that failed
+    (:class:`EncoderCallError`).
+
+    :param urls: the encoders' base URLs (``http://host:port``).
+    :param encode_timeout_s: bound on one ``/encode`` call.
+    :param send_timeout_s: bound on one ``/send`` call.
+    :param release_timeout_s: bound on the best-effort ``/release`` calls after a failure.
+    :param connect_timeout_s: bound on opening a connection.
+    :param max_connections: connections kept open in all.
+    :param transport: an ``httpx`` transport to use instead of the network (tests).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        encode_timeout_s: float = 60.0,
+        send_timeout_s: float = 60.0,
+        release_timeout_s: float = 5.0,
+        connect_timeout_s: float = 5.0,
+        max_connections: int = 64,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if isinstance(urls, str) or not urls:
+            raise BadRequestError("urls must be a non-empty list of encoder URLs")
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise BadRequestError(f"urls: {url!r} is not an http(s) URL")
+        for name, value in (
+            ("encode_timeout_s", encode_timeout_s),
+            ("send_timeout_s", send_timeout_s),
+            ("release_timeout_s", release_timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
+        ):
+            if not value > 0:
+                raise BadRequestError(f"{name} must be a positive number; got {value!r}")
+        self._urls = tuple(url.rstrip("/") for url in urls)
+        self._encode_timeout_s = encode_timeout_s
+        self._send_timeout_s = send_timeout_s
+        self._release_timeout_s = release_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._max_connections = max_connections
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        # Where the next request's first part goes; moves on with every plan.
+        self._next_start = 0
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self._urls
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[EncoderClient]:
+        """Entering opens the pool (not a checkpoint); leaving closes it (shielded)."""
+        if self._client is not None:
+            raise RuntimeError("an EncoderClient is entered once at a time")
+        timeout = httpx.Timeout(None, connect=self._connect_timeout_s)
+        limits = httpx.Limits(
+            max_connections=self._max_connections,
+            max_keepalive_connections=self._max_connections,
+        )
+        client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport)
+        self._client = client
+        try:
+            yield self
+        finally:
+            self._client = None
+            with anyio.move_on_after(self._release_timeout_s, shield=True):
+                await client.aclose()
+
+    # -- planning: synchronous ---------------------------------------------------------------
+
+    def plan(self, rid: str, items: Mapping[Modality | str, Sequence[object]]) -> RequestPlan:
+        """Split request ``rid``'s items into parts over the encoders. Not a checkpoint.
+
+        Successive plans start at successive encoders, so single-item requests spread too.
+
+        :raises BadRequestError: naming the field (empty id, no items, unknown modality).
+        """
+        plan = assign_parts(rid, items, self._urls, start=self._next_start)
+        self._next_start = (self._next_start + 1) % len(self._urls)
+        return plan
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def encode_part(self, part: PartPlan) -> PartMetadata:
+        """``POST /encode`` for one part; returns what the encoder staged.
+
+        A checkpoint. Cancelling it abandons the HTTP call; the encoder may still finish the
+        encode, so call :meth:`release` for the part afterwards.
+
+        :raises EncoderCallError: the encoder refused, failed, timed out, could not be
+            reached, or answered for another part.
+        """
+        body = {
+            "req_id": part.req_id,
+            "mm_items": list(part.items),
+            "modality": part.modality.value,
+            "num_parts": part.num_parts,
+            "part_idx": part.part_idx,
+        }
+        answer = await self._post(part, "/encode", body, self._encode_timeout_s, answer=True)
+        try:
+            metadata = PartMetadata.from_json(answer)
+        except BadRequestError as exc:
+            raise self._error(part, "/encode", UNREACHABLE, f"answered badly: {exc}") from None
+        if metadata.req_id != part.req_id or metadata.part_idx != part.part_idx:
+            raise self._error(
+                part,
+                "/encode",
+                UNREACHABLE,
+                f"answered for {metadata.req_id!r} part {metadata.part_idx}",
+            )
+        if len(metadata.token_counts) != len(part.items):
+            raise self._error(
+                part,
+                "/encode",
+                UNREACHABLE,
+                f"answered with {len(metadata.token_counts)} token counts for "
+                f"{len(part.items)} items",
+            )
+        return metadata
+
+    async def encode(self, plan: RequestPlan) -> tuple[PartMetadata, ...]:
+        """``POST /encode`` for every part of ``plan`` at once.
+
+        A checkpoint. As soon as one part fails, the others are cancelled; every part that
+        was dispatched is then released (best effort, shielded, bounded by
+        ``release_timeout_s``) and the first failure is raised. The same release happens if
+        the caller is cancelled.
+
+        :return: the parts' metadata, in ``part_idx`` order.
+        :raises EncoderCallError: naming the encoder and part that failed first.
+        """
+        results: dict[int, PartMetadata] = {}
+        dispatched: list[PartPlan] = []
+
+        async def one(part: PartPlan) -> None:
+            dispatched.append(part)
+            results[part.part_idx] = await self.encode_part(part)
+
+        failure: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as group:
+                for part in plan.parts:
+                    group.start_soon(one, part)
+        except BaseException as exc:
+            await self.release(dispatched)
+            failure = first_error(exc)
+            if failure is exc:
+                raise
+        if failure is not None:
+            # Raised outside the handler, so the group does not tag along as its context.
+            raise failure
+        return tuple(results[index] for index in range(plan.num_parts))
+
+    async def send(
+        self, part: PartPlan, target: SendTarget, *, receive_count: int | None = None
+    ) -> None:
+        """``POST /send``: ask the part's encoder to deliver it to ``target``.
+
+        A checkpoint. Returns once the encoder reports the delivery done: for a Mooncake
+        target, the bytes are in the target memory; for ZMQ, the message left the encoder.
+        If it raises or is cancelled, the encoder may still be writing: release the part
+        and only reuse the target memory once that release is confirmed.
+
+        :raises EncoderCallError: the encoder refused or failed the delivery, timed out, or
+            could not be reached.
+        """
+        body = target.body(part.req_id)
+        if receive_count is not None:
+            body["receive_count"] = receive_count
+        await self._post(part, "/send", body, self._send_timeout_s)
+
+    async def release(self, parts: Iterable[PartPlan]) -> frozenset[str]:
+        """``POST /release`` for each part, concurrently; best effort.
+
+        A checkpoint, but shielded: it completes (bounded by ``release_timeout_s``) even if
+        the caller is cancelled, and the cancellation arrives afterwards. Failures are
+        logged, not raised.
+
+        :return: the part ids whose release the encoder confirmed. The encoder answers a
+            release only once no transfer of the part is in flight any more, so memory a
+            confirmed part was being written into is free to reuse.
+        """
+        parts = list(parts)
+        confirmed: set[str] = set()
+        if not parts:
+            await anyio.lowlevel.checkpoint()
+            return frozenset()
+
+        async def one(part: PartPlan) -> None:
+            try:
+                await self._post(part, "/release", {"req_id": part.req_id}, self._release_timeout_s)
+            except EncdisaggError as exc:
+                _log.warning("releasing part %r on %s failed: %s", part.req_id, part.url, exc)
+            else:
+                confirmed.add(part.req_id)
+
+        with anyio.move_on_after(self._release_timeout_s, shield=True):
+            async with anyio.create_task_group() as group:
+                for part in parts:
+                    group.start_soon(one, part)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return frozenset(confirmed)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _error(self, part: PartPlan, route: str, status: int, what: str) -> EncoderCallError:
+        return EncoderCallError(
+            f"encoder {part.url} {what} (POST {route} of part {part.part_idx} of request "
+            f"{part.rid!r})",
+            url=part.url,
+            route=route,
+            status=status,
+            part_idx=part.part_idx,
+            req_id=part.rid,
+        )
+
+    async def _post(
+        self,
+        part: PartPlan,
+        route: str,
+        body: dict[str, Any],
+        timeout_s: float,
+        *,
+        answer: bool = False,
+    ) -> Any:
+        """POST ``body``; the decoded JSON answer if ``answer``, else ``None`` (``/send`` and
+        ``/release`` answer ``null``: only the status counts)."""
+        client = self._client
+        if client is None:
+            raise ServiceUnavailableError("the EncoderClient is not open", req_id=part.rid)
+        try:
+            with anyio.fail_after(timeout_s):
+                response = await client.post(part.url + route, json=body)
+        except (TimeoutError, httpx.TimeoutException):
+            raise self._error(
+                part, route, TIMED_OUT, f"did not answer within {timeout_s} s"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise self._error(part, route, UNREACHABLE, f"could not be reached: {exc!r}") from None
+        if response.status_code >= 400:
+            message = _error_message(response)
+            raise self._error(
+                part, route, response.status_code, f"answered {response.status_code}: {message}"
+            )
+        if not answer:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise self._error(
+                part, route, UNREACHABLE, "answered with a body that is not JSON"
+            ) from None

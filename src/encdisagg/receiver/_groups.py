@@ -1,0 +1,41 @@
+"""Turning a task group's ExceptionGroup back into the one error a caller should see."""
+
+from __future__ import annotations
+
+import anyio
+
+from .._errors import EncdisaggError
+
+__all__ = ["first_error"]
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending[:0] = exc.exceptions
+        else:
+            leaves.append(exc)
+    return leaves
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The error to raise for ``exc``.
+
+    Not a group: ``exc`` itself. A group: its first encdisagg error, else its first error
+    that is not a cancellation; the other errors become notes on it. A group of
+    cancellations only stays the group (the caller's cancel scope then handles it).
+    """
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    cancelled = anyio.get_cancelled_exc_class()
+    errors = [leaf for leaf in _leaves(exc) if not isinstance(leaf, cancelled)]
+    if not errors:
+        return exc
+    chosen = next((e for e in errors if isinstance(e, EncdisaggError)), errors[0])
+    for other in errors:
+        if other is not chosen:
+            chosen.add_note(f"also failed: {other!r}")
+    return chosen

@@ -1,0 +1,134 @@
+"""How a request's media items are split into parts across encoders.
+
+Synchronous and free of I/O: the client asks for a plan, then performs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .._errors import BadRequestError
+from .._modality import Modality
+
+__all__ = ["PartPlan", "RequestPlan", "assign_parts", "part_req_id"]
+
+#: Separates a request id from its part number in a part's id.
+PART_SEPARATOR = "#"
+
+
+def part_req_id(rid: str, part_idx: int) -> str:
+    """The id a part of request ``rid`` has on its encoder: ``"{rid}#{part_idx}"``."""
+    return f"{rid}{PART_SEPARATOR}{part_idx}"
+
+
+@dataclass(frozen=True, slots=True)
+class PartPlan:
+    """One part: a run of consecutive items of one modality, encoded by one encoder."""
+
+    rid: str
+    part_idx: int
+    num_parts: int
+    modality: Modality
+    #: The encoder's base URL, e.g. ``"http://127.0.0.1:8000"``.
+    url: str
+    items: tuple[object, ...]
+    #: Index of the first item within the request's items of this modality.
+    first_item: int
+
+    @property
+    def req_id(self) -> str:
+        """The part's id on its encoder."""
+        return part_req_id(self.rid, self.part_idx)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """Every part of one request, ordered by ``part_idx`` (modality-outer, item order inside)."""
+
+    rid: str
+    parts: tuple[PartPlan, ...]
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.parts)
+
+    def modalities(self) -> tuple[Modality, ...]:
+        """The modalities present, in part order."""
+        seen: list[Modality] = []
+        for part in self.parts:
+            if part.modality not in seen:
+                seen.append(part.modality)
+        return tuple(seen)
+
+
+def _normalise(
+    items: Mapping[Modality | str, Sequence[object]],
+) -> list[tuple[Modality, tuple[object, ...]]]:
+    if not isinstance(items, Mapping):
+        raise BadRequestError("items must map a modality to its list of media items")
+    grouped: dict[Modality, list[object]] = {}
+    for key, values in items.items():
+        modality = Modality.parse(key, field="items modality")
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise BadRequestError(f"items[{modality.value!r}] must be a list of media items")
+        grouped.setdefault(modality, []).extend(values)
+    # Enum order, so the same request always gets the same part numbering.
+    return [(m, tuple(grouped[m])) for m in Modality if grouped.get(m)]
+
+
+def assign_parts(
+    rid: str,
+    items: Mapping[Modality | str, Sequence[object]],
+    urls: Sequence[str],
+    *,
+    start: int = 0,
+) -> RequestPlan:
+    """Split the items of request ``rid`` across the encoders at ``urls``.
+
+    Per modality, the items are cut into at most ``len(urls)`` runs of consecutive items
+    whose sizes differ by one at most; each run is one part, sent to its own encoder.
+    Encoders are taken in turn starting at ``start`` and continuing across modalities, so
+    the load spreads over requests (vary ``start``) and over modalities. Parts are numbered
+    modality-outer (image, video, audio), item order inside: concatenating the parts of a
+    modality in ``part_idx`` order gives its items in their original order.
+
+    Does not block.
+
+    :raises BadRequestError: naming the field for an empty ``rid``, no encoder URL, or no item.
+    """
+    if not isinstance(rid, str) or not rid:
+        raise BadRequestError("rid must be a non-empty string")
+    if PART_SEPARATOR in rid:
+        raise BadRequestError(f"rid must not contain {PART_SEPARATOR!r}; got {rid!r}", req_id=rid)
+    if not urls:
+        raise BadRequestError("urls must name at least one encoder", req_id=rid)
+    grouped = _normalise(items)
+    if not grouped:
+        raise BadRequestError(f"request {rid!r} has no media items", req_id=rid)
+    n_urls = len(urls)
+    cursor = start % n_urls
+    runs: list[tuple[Modality, str, tuple[object, ...], int]] = []
+    for modality, values in grouped:
+        n_runs = min(n_urls, len(values))
+        base, extra = divmod(len(values), n_runs)
+        offset = 0
+        for run in range(n_runs):
+            size = base + (1 if run < extra else 0)
+            runs.append((modality, urls[cursor], values[offset : offset + size], offset))
+            offset += size
+            cursor = (cursor + 1) % n_urls
+    num_parts = len(runs)
+    parts = tuple(
+        PartPlan(
+            rid=rid,
+            part_idx=index,
+            num_parts=num_parts,
+            modality=modality,
+            url=url,
+            items=run_items,
+            first_item=first,
+        )
+        for index, (modality, url, run_items, first) in enumerate(runs)
+    )
+    return RequestPlan(rid=rid, parts=parts)

@@ -1,0 +1,201 @@
+"""EncoderClient against real encoders over real HTTP, and its failure paths."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import socket
+
+import anyio
+import httpx
+import pytest
+
+from encdisagg import Modality
+from encdisagg.models import QwenVisionModel, load_model
+from encdisagg.receiver import EncoderCallError, EncoderClient, ZmqSendTarget
+
+from ._encoder_app import Faults
+from .conftest import data_url, encoder_server
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def tiny_b() -> QwenVisionModel:
+    # A second instance: two encoders must not share one model's forward.
+    return load_model("tiny")
+
+
+async def test_parts_spread_over_encoders_and_report_their_layout(
+    tiny: QwenVisionModel, tiny_b: QwenVisionModel
+) -> None:
+    images = [data_url(56, 56, 1), data_url(84, 56, 2), data_url(112, 112, 3)]
+    async with (
+        encoder_server(tiny) as (url_a, _, faults_a),
+        encoder_server(tiny_b) as (url_b, _, faults_b),
+        EncoderClient([url_a, url_b]) as client,
+    ):
+        plan = client.plan("r", {"image": images})
+        assert [p.url for p in plan.parts] == [url_a, url_b]
+        metadata = await client.encode(plan)
+        assert [m.req_id for m in metadata] == ["r#0", "r#1"]
+        expected = tiny.preprocess(images, Modality.IMAGE)
+        assert sum((m.token_counts for m in metadata), ()) == expected.token_counts
+        assert sum((m.grid for m in metadata), ()) == expected.grid
+        assert metadata[0].embedding_dim == tiny.hidden_size
+        assert await client.release(plan.parts) == {"r#0", "r#1"}
+        # The next request starts at the next encoder.
+        assert client.plan("s", {"image": images[:1]}).parts[0].url == url_b
+    assert ("/encode", "r#0") in faults_a.calls
+    assert ("/encode", "r#1") in faults_b.calls
+
+
+async def test_a_failing_encoder_is_named_and_the_other_parts_are_released(
+    tiny: QwenVisionModel, tiny_b: QwenVisionModel
+) -> None:
+    images = [data_url(56, 56, 1), data_url(56, 56, 2)]
+    async with (
+        encoder_server(tiny) as (url_a, _, faults_a),
+        encoder_server(tiny_b, faults=Faults(fail={"/encode": 400})) as (url_b, _, _),
+        EncoderClient([url_a, url_b]) as client,
+    ):
+        plan = client.plan("r", {"image": images})
+        with pytest.raises(EncoderCallError) as caught:
+            await client.encode(plan)
+        error = caught.value
+        assert (error.url, error.status, error.part_idx, error.route) == (url_b, 400, 1, "/encode")
+        assert url_b in str(error)
+        assert "injected" in str(error)
+        assert ("/release", "r#0") in faults_a.calls
+        copy = pickle.loads(pickle.dumps(error))
+        assert (copy.url, copy.status, copy.part_idx) == (url_b, 400, 1)
+
+
+async def test_an_unreachable_encoder_is_a_502() -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    async with EncoderClient([url], connect_timeout_s=2.0) as client:
+        plan = client.plan("r", {"image": ["x"]})
+        with pytest.raises(EncoderCallError) as caught:
+            await client.encode_part(plan.parts[0])
+    assert (caught.value.status, caught.value.url) == (502, url)
+    assert "could not be reached" in str(caught.value)
+
+
+def _closed_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port: int = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def _metadata(req_id: str, part_idx: int) -> dict[str, object]:
+    return {
+        "req_id": req_id,
+        "part_idx": part_idx,
+        "embedding_size": 4 * 64 * 4,
+        "embedding_len": 4,
+        "embedding_dim": 64,
+        "token_counts": [4],
+        "grid": [[1, 4, 4]],
+    }
+
+
+@pytest.mark.virtual_time
+async def test_a_silent_encoder_times_out_as_504() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/encode":
+            await anyio.sleep_forever()
+        return httpx.Response(200, json=None)
+
+    transport = httpx.MockTransport(handler)
+    async with EncoderClient(["http://e0"], encode_timeout_s=30.0, transport=transport) as client:
+        plan = client.plan("r", {"image": ["x"]})
+        start = anyio.current_time()
+        with pytest.raises(EncoderCallError) as caught:
+            await client.encode(plan)
+        assert anyio.current_time() - start == pytest.approx(30.0, abs=1.0)
+    assert caught.value.status == 504
+    assert "within 30.0 s" in str(caught.value)
+
+
+@pytest.mark.virtual_time
+async def test_one_failure_cancels_its_siblings_at_once() -> None:
+    seen: list[tuple[str, str]] = []
+    cancelled: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body["req_id"]))
+        if request.url.path == "/encode" and body["req_id"] == "r#0":
+            try:
+                await anyio.sleep_forever()
+            finally:
+                cancelled.append(body["req_id"])
+        if request.url.path == "/encode":
+            await anyio.sleep(1.0)
+            return httpx.Response(503, json={"status": "error", "message": "draining"})
+        return httpx.Response(200, json=None)
+
+    transport = httpx.MockTransport(handler)
+    async with EncoderClient(
+        ["http://e0", "http://e1"], encode_timeout_s=600.0, transport=transport
+    ) as client:
+        plan = client.plan("r", {"image": ["a", "b"]})
+        start = anyio.current_time()
+        with pytest.raises(EncoderCallError) as caught:
+            await client.encode(plan)
+        assert anyio.current_time() - start < 5.0
+    assert (caught.value.url, caught.value.status, caught.value.part_idx) == ("http://e1", 503, 1)
+    assert cancelled == ["r#0"]
+    assert {("/release", "r#0"), ("/release", "r#1")} <= set(seen)
+
+
+@pytest.mark.parametrize(
+    ("answer", "match"),
+    [
+        (json.dumps(_metadata("other#0", 0)).encode(), "answered for 'other#0'"),
+        (b"not json", "not JSON"),
+        (
+            json.dumps(
+                {**_metadata("r#0", 0), "token_counts": [2, 2], "grid": [[1, 2, 4], [1, 2, 4]]}
+            ).encode(),
+            "2 token counts",
+        ),
+        (json.dumps({**_metadata("r#0", 0), "dtype": "float32"}).encode(), "unknown field"),
+    ],
+)
+async def test_answers_that_break_the_contract_are_refused(answer: bytes, match: str) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/encode":
+            return httpx.Response(200, content=answer)
+        return httpx.Response(200, content=b"null")
+
+    async with EncoderClient(["http://e0"], transport=httpx.MockTransport(handler)) as client:
+        part = client.plan("r", {"image": ["x"]}).parts[0]
+        with pytest.raises(EncoderCallError, match=match) as caught:
+            await client.encode_part(part)
+        assert caught.value.status == 502
+        # /send answers only with its status.
+        await client.send(part, ZmqSendTarget("tcp://127.0.0.1:1"))
+
+
+async def test_cancelling_encode_still_releases_the_dispatched_parts() -> None:
+    seen: list[tuple[str, str]] = []
+    started = anyio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body["req_id"]))
+        if request.url.path == "/encode":
+            started.set()
+            await anyio.sleep_forever()
+        return httpx.Response(200, json=None)
+
+    async with EncoderClient(["http://e0"], transport=httpx.MockTransport(handler)) as client:
+        plan = client.plan("r", {"image": ["x"]})
+        async with anyio.create_task_group() as group:
+            group.start_soon(client.encode, plan)
+            await started.wait()
+            group.cancel_scope.cancel()
+    assert ("/release", "r#0") in seen
