@@ -1,0 +1,460 @@
+"""The Quart app: routes, strict bodies, JSON errors, and the Encoder's lifespan.
+
+The encoder service (one Encoder, or data-parallel workers) is opened by an ASGI middleware
+around the app's lifespan: it opens the service when the server sends
+``lifespan.startup``, runs the app's own lifespan inside it, and closes the service before
+it reports ``lifespan.shutdown.complete``. The service's task groups therefore live inside
+one ``async with`` block of one task — the server's lifespan task — and are never held open
+across an async generator's ``yield`` (where a cancellation from inside them would land in
+the framework's code). Hypercorn serves only once startup completed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, fields
+from typing import Any, Final, Literal
+
+from quart import Blueprint, Quart, Response, current_app, request
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from .._config import EncoderConfig
+from .._errors import BadRequestError, EncdisaggError, ServiceUnavailableError
+from ..encoder import Encoder
+from ..nurseries import run_thread_to_completion
+from ._backend import Backend, LocalBackend
+from ._messages import (
+    EncodeBody,
+    MetadataBody,
+    ReceiveUrlBody,
+    ReleaseBody,
+    SendBody,
+    result_json,
+)
+from ._metrics import EncoderMetrics, ServerMetrics
+
+__all__ = [
+    "EncoderService",
+    "ServerSettings",
+    "create_app",
+    "create_trio_app",
+    "mount_encoder",
+]
+
+_log = logging.getLogger("encdisagg.server")
+
+Flavour = Literal["asyncio", "trio"]
+
+#: Bodies larger than this are decoded in a worker thread, off the event loop.
+_THREAD_DECODE_BYTES: Final = 256 * 1024
+_PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
+_EXTENSION: Final = "encdisagg"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerSettings:
+    """How the server around the Encoder behaves (the Encoder itself: ``EncoderConfig``).
+
+    Invalid values raise :class:`~encdisagg.BadRequestError` naming the field.
+    """
+
+    #: Data-parallel worker processes; 1 runs the Encoder in the server's own process.
+    dp: int = 1
+    #: Largest request body accepted; larger ones are answered 413.
+    max_body_bytes: int = 256 * 1024 * 1024
+    #: Bound on one health probe encode.
+    health_timeout_s: float = 20.0
+    #: Bound on starting the data-parallel workers (each loads its model).
+    worker_start_timeout_s: float = 300.0
+    #: How long a stopping worker may drain before it is terminated (``None``: the
+    #: Encoder's ``shutdown_grace_s`` plus ``cleanup_timeout_s`` plus 5 s).
+    worker_stop_timeout_s: float | None = None
+    #: Event loop inside each worker: ``"asyncio"``, ``"trio"``, or ``None`` for the
+    #: front's own.
+    worker_backend: str | None = None
+    #: Calls one worker runs at once; more wait in its queue.
+    worker_max_inflight: int = 256
+    #: Log level of the workers.
+    worker_log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("dp", "max_body_bytes", "worker_max_inflight"):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise BadRequestError(f"{f.name} must be an integer >= 1; got {value!r}")
+            elif f.name.endswith("_s"):
+                if value is None and f.name == "worker_stop_timeout_s":
+                    continue
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    raise BadRequestError(f"{f.name} must be a positive number; got {value!r}")
+        if self.worker_backend not in (None, "asyncio", "trio"):
+            raise BadRequestError(
+                f"worker_backend must be asyncio, trio or null; got {self.worker_backend!r}"
+            )
+        if self.worker_log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise BadRequestError(f"worker_log_level is not a log level: {self.worker_log_level!r}")
+
+
+class EncoderService:
+    """The encoder behind one app's routes: settings, metrics, and the running backend.
+
+    Built by :func:`mount_encoder`; the app's lifespan opens it. ``app.extensions
+    ["encdisagg"]`` holds it.
+
+    :ivar metrics: the app's metrics; ``metrics.registry`` is its Prometheus registry.
+    """
+
+    def __init__(
+        self,
+        config_or_encoder: EncoderConfig | Encoder,
+        settings: ServerSettings | None = None,
+        *,
+        encoder_metrics: EncoderMetrics | None = None,
+    ) -> None:
+        self.settings = settings or ServerSettings()
+        self.metrics = ServerMetrics()
+        self._encoder_metrics = encoder_metrics or EncoderMetrics()
+        self._source: EncoderConfig | Encoder
+        if isinstance(config_or_encoder, Encoder):
+            if self.settings.dp != 1:
+                raise BadRequestError(
+                    "dp: data-parallel workers build their own Encoders; pass an EncoderConfig"
+                )
+            self._source = config_or_encoder
+        elif isinstance(config_or_encoder, EncoderConfig):
+            # Clients must not make the server read its own files.
+            self._source = config_or_encoder.replace(allow_local_files=False)
+        else:
+            raise TypeError(
+                f"expected an EncoderConfig or an Encoder, got {type(config_or_encoder).__name__}"
+            )
+        self._backend: Backend | None = None
+
+    @property
+    def config(self) -> EncoderConfig:
+        """The Encoder's configuration (as served: local files off when built here)."""
+        source = self._source
+        return source.config if isinstance(source, Encoder) else source
+
+    @property
+    def backend(self) -> Backend | None:
+        """The running backend, or ``None`` outside the app's lifespan."""
+        return self._backend
+
+    @asynccontextmanager
+    async def open(self) -> AsyncGenerator[Backend]:
+        """Run the backend: open the Encoder, or start and stop the data-parallel workers.
+
+        Entering is a checkpoint that returns once the service can encode; leaving releases
+        every request, drains transfers (bounded by ``shutdown_grace_s``) and stops workers.
+        """
+        if self._backend is not None:
+            raise RuntimeError("the encoder service is running already")
+        backend: LocalBackend | Any
+        if self.settings.dp > 1:
+            from ._dp import DataParallelBackend
+
+            backend = DataParallelBackend(
+                self.config, workers=self.settings.dp, settings=self.settings
+            )
+        else:
+            backend = LocalBackend(
+                self._source,
+                metrics=self._encoder_metrics,
+                health_timeout_s=self.settings.health_timeout_s,
+            )
+        async with backend:
+            self._backend = backend
+            try:
+                yield backend
+            finally:
+                self._backend = None
+
+    def _require_backend(self) -> Backend:
+        if self._backend is None:
+            raise ServiceUnavailableError("the encoder service is not running")
+        return self._backend
+
+    # -- request handling ------------------------------------------------------------------
+
+    async def _respond(
+        self, route: str, call: Callable[[Backend, object], Awaitable[object]]
+    ) -> Response:
+        try:
+            body = await _read_json(self.settings.max_body_bytes)
+            backend = self._require_backend()
+            response = _json_response(await call(backend, body))
+        except EncdisaggError as exc:
+            response = _error_response(exc.status, exc.message, exc.req_id)
+        except HTTPException as exc:
+            response = _http_error_response(exc, self.settings.max_body_bytes)
+        except Exception:
+            _log.exception("%s failed unexpectedly", route)
+            response = _error_response(500, "internal server error", None)
+        self.metrics.count_http(route, response.status_code)
+        return response
+
+    async def health(self) -> Response:
+        """``GET /health``: 200 when the model answers a probe (or is busy), else 503."""
+        try:
+            report = await self._require_backend().health()
+        except EncdisaggError as exc:
+            response = _error_response(503, exc.message, None)
+        except Exception:
+            _log.exception("/health failed unexpectedly")
+            response = _error_response(503, "the health check failed", None)
+        else:
+            if report.ok:
+                response = _json_response({"status": "ok", "probed": report.probed})
+            else:
+                response = _error_response(503, report.message, None)
+        self.metrics.count_http("/health", response.status_code)
+        return response
+
+    async def render_metrics(self) -> Response:
+        """``GET /metrics``: Prometheus text."""
+        backend = self._backend
+        if backend is not None:
+            try:
+                self.metrics.update(await backend.snapshot())
+            except Exception:
+                _log.exception("collecting metrics failed; serving the previous ones")
+        self.metrics.count_http("/metrics", 200)
+        response: Response = current_app.response_class(
+            self.metrics.render(), status=200, content_type=_PROMETHEUS_TEXT
+        )
+        return response
+
+
+async def _encode(backend: Backend, body: object) -> object:
+    message = EncodeBody.from_json(body)
+    return result_json(await backend.encode(message), message.part_idx)
+
+
+async def _send(backend: Backend, body: object) -> object:
+    await backend.send(SendBody.from_json(body))
+    return None
+
+
+async def _register(backend: Backend, body: object) -> object:
+    await backend.register(ReceiveUrlBody.from_json(body))
+    return None
+
+
+async def _metadata(backend: Backend, body: object) -> object:
+    message = MetadataBody.from_json(body)
+    return result_json(await backend.metadata(message), message.part_idx)
+
+
+async def _release(backend: Backend, body: object) -> object:
+    await backend.release(ReleaseBody.from_json(body).req_id)
+    return None
+
+
+_ROUTES: Final[dict[str, Callable[[Backend, object], Awaitable[object]]]] = {
+    "/encode": _encode,
+    "/send": _send,
+    "/scheduler_receive_url": _register,
+    "/scheduler_receive_meta_data": _metadata,
+    "/release": _release,
+}
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _decode_json(data: bytes) -> object:
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _read_json(limit: int) -> object:
+    """The request's JSON body. A checkpoint; large bodies are decoded off the loop.
+
+    :raises RequestEntityTooLarge: over ``limit`` (or the app's ``MAX_CONTENT_LENGTH``).
+    :raises BadRequestError: empty, or not JSON.
+    """
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestEntityTooLarge()
+    data = await request.get_data(cache=False)
+    assert isinstance(data, bytes)
+    if len(data) > limit:
+        raise RequestEntityTooLarge()
+    if not data.strip():
+        raise BadRequestError("the request body is empty; expected a JSON object")
+    if len(data) > _THREAD_DECODE_BYTES:
+        return await run_thread_to_completion(_decode_json, data)
+    return _decode_json(data)
+
+
+def _json_response(payload: object, status: int = 200) -> Response:
+    response: Response = current_app.response_class(
+        json.dumps(payload), status=status, content_type="application/json"
+    )
+    return response
+
+
+def _error_response(status: int, message: str, req_id: str | None) -> Response:
+    return _json_response({"status": "error", "message": message, "req_id": req_id}, status)
+
+
+def _http_error_response(exc: HTTPException, limit: int) -> Response:
+    status = exc.code or 500
+    if isinstance(exc, RequestEntityTooLarge):
+        message = f"the request body is larger than the limit of {limit} bytes"
+    else:
+        message = exc.description or exc.name
+    return _error_response(status, message, None)
+
+
+class _ServiceLifespan:
+    """ASGI middleware: runs the app's lifespan inside ``service.open()``."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], service: EncoderService) -> None:
+        self._app = app
+        self._service = service
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "lifespan":
+            await self._app(scope, receive, send)
+            return
+        first = await receive()
+        replay = [first]
+        started = False
+        final: dict[str, Any] | None = None
+
+        async def inner_receive() -> Any:
+            if replay:
+                return replay.pop()
+            return await receive()
+
+        async def inner_send(message: Any) -> None:
+            nonlocal started, final
+            kind = message["type"]
+            if kind in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                # Held back until the service is closed.
+                final = message
+                return
+            if kind == "lifespan.startup.complete":
+                started = True
+            await send(message)
+
+        if first["type"] != "lifespan.startup":
+            await self._app(scope, inner_receive, send)
+            return
+        try:
+            async with self._service.open():
+                await self._app(scope, inner_receive, inner_send)
+        except Exception as exc:
+            _log.exception("the encoder service failed")
+            if not started:
+                await send({"type": "lifespan.startup.failed", "message": f"encdisagg: {exc}"})
+                return
+            final = {"type": "lifespan.shutdown.failed", "message": f"encdisagg: {exc}"}
+        await send(final or {"type": "lifespan.shutdown.complete"})
+
+
+def mount_encoder(
+    app: Quart,
+    config_or_encoder: EncoderConfig | Encoder,
+    *,
+    settings: ServerSettings | None = None,
+    url_prefix: str | None = None,
+    encoder_metrics: EncoderMetrics | None = None,
+) -> EncoderService:
+    """Add the encoder routes to an existing Quart (or QuartTrio) app.
+
+    Registers a blueprint with ``/encode``, ``/send``, ``/scheduler_receive_url``,
+    ``/scheduler_receive_meta_data``, ``/release``, ``/health`` and ``/metrics`` (under
+    ``url_prefix``), and wraps ``app.asgi_app`` so the app's lifespan opens the encoder
+    service first and closes it last. Sets ``MAX_CONTENT_LENGTH`` if the app has none.
+
+    Built from an :class:`~encdisagg.EncoderConfig`, the Encoder never reads local files
+    named by clients (``allow_local_files`` is turned off). A given
+    :class:`~encdisagg.Encoder` is used as it is: opened by the lifespan unless already open;
+    pass ``encoder_metrics`` if it was built with ``events=encoder_metrics.events()``.
+
+    :returns: the service (also at ``app.extensions["encdisagg"]``).
+    :raises RuntimeError: if the app has an encoder mounted already.
+    """
+    if _EXTENSION in app.extensions:
+        raise RuntimeError("this app has an encoder mounted already")
+    service = EncoderService(config_or_encoder, settings, encoder_metrics=encoder_metrics)
+    blueprint = Blueprint("encdisagg", __name__, url_prefix=url_prefix)
+
+    def add_route(path: str, call: Callable[[Backend, object], Awaitable[object]]) -> None:
+        async def view() -> Response:
+            return await service._respond(path, call)
+
+        blueprint.add_url_rule(path, path.strip("/"), view, methods=["POST"])
+
+    for path, call in _ROUTES.items():
+        add_route(path, call)
+    blueprint.add_url_rule("/health", "health", service.health, methods=["GET"])
+    blueprint.add_url_rule("/metrics", "metrics", service.render_metrics, methods=["GET"])
+    app.register_blueprint(blueprint)
+    if app.config.get("MAX_CONTENT_LENGTH") is None:
+        app.config["MAX_CONTENT_LENGTH"] = service.settings.max_body_bytes
+    app.extensions[_EXTENSION] = service
+    app.asgi_app = _ServiceLifespan(app.asgi_app, service)  # type: ignore[method-assign,assignment]
+    return service
+
+
+def create_app(
+    config_or_encoder: EncoderConfig | Encoder,
+    *,
+    settings: ServerSettings | None = None,
+    flavour: Flavour = "asyncio",
+    encoder_metrics: EncoderMetrics | None = None,
+) -> Quart:
+    """An encoder server app (DESIGN §4.7): JSON in, JSON out.
+
+    ``flavour="asyncio"`` gives a :class:`quart.Quart` app (serve it with
+    ``hypercorn.asyncio``); ``"trio"`` a :class:`quart_trio.QuartTrio` app (serve it with
+    ``hypercorn.trio``). The Encoder (or the data-parallel workers, ``settings.dp > 1``) is
+    opened in the app's lifespan; see :func:`mount_encoder`. Errors, also for unknown routes
+    and methods, are ``{"status": "error", "message", "req_id"}`` with the error's status.
+    """
+    app: Quart
+    if flavour == "asyncio":
+        app = Quart("encdisagg.server")
+    elif flavour == "trio":
+        from quart_trio import QuartTrio
+
+        app = QuartTrio("encdisagg.server")
+    else:
+        raise ValueError(f"flavour must be 'asyncio' or 'trio'; got {flavour!r}")
+    service = mount_encoder(
+        app, config_or_encoder, settings=settings, encoder_metrics=encoder_metrics
+    )
+    app.config["MAX_CONTENT_LENGTH"] = service.settings.max_body_bytes
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        return _http_error_response(exc, service.settings.max_body_bytes)
+
+    return app
+
+
+def create_trio_app(
+    config_or_encoder: EncoderConfig | Encoder,
+    *,
+    settings: ServerSettings | None = None,
+    encoder_metrics: EncoderMetrics | None = None,
+) -> Quart:
+    """:func:`create_app` with ``flavour="trio"``: a ``QuartTrio`` app."""
+    return create_app(
+        config_or_encoder, settings=settings, flavour="trio", encoder_metrics=encoder_metrics
+    )

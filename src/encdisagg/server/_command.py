@@ -1,0 +1,243 @@
+"""``encdisagg serve``: resolve the flags and the TOML file, then serve until a signal.
+
+The flags are declared in ``encdisagg._cli`` (so ``--help`` stays fast); this module turns
+them into an :class:`~encdisagg.EncoderConfig` and :class:`ServerSettings`, and runs the
+server. Invalid options exit with status 2 and a message naming the flag or field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import anyio.abc
+
+from .._config import EncoderConfig
+from .._errors import BadRequestError
+from ..models import BUILTIN_MODELS
+from ._app import ServerSettings, create_app
+from ._backend import SERVER_MODELS
+from ._runner import serve
+
+__all__ = ["run_serve"]
+
+_log = logging.getLogger("encdisagg.server")
+
+_MIB: Final = 1024 * 1024
+
+#: ``serve`` flag (argparse dest) -> EncoderConfig field.
+CONFIG_FLAGS: Final = {
+    "model": "model",
+    "transfer": "transfer",
+    "mooncake_protocol": "mooncake_protocol",
+    "mooncake_metadata": "mooncake_metadata",
+    "max_batch_size": "max_batch_size",
+    "request_timeout": "request_timeout_s",
+    "send_timeout": "send_timeout_s",
+    "prefix_cache_mb": "prefix_cache_mb",
+    "staged_memory_limit_mb": "staged_memory_limit_mb",
+}
+#: Keys of the TOML file's ``[server]`` table, and their types.
+SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {
+    "host": str,
+    "port": int,
+    "dp": int,
+    "worker_class": str,
+    "log_level": str,
+    "max_body_mb": int,
+    "health_timeout_s": (int, float),
+}
+_DEFAULTS: Final[dict[str, Any]] = {
+    "host": "127.0.0.1",
+    "port": 8000,
+    "dp": 1,
+    "worker_class": "asyncio",
+    "log_level": "info",
+    "max_body_mb": 256,
+    "health_timeout_s": 20.0,
+}
+_LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+
+
+class UsageError(Exception):
+    """An invalid option; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    config: EncoderConfig
+    settings: ServerSettings
+    host: str
+    port: int
+    worker_class: str
+    log_level: str
+
+
+def _flag(field: str) -> str:
+    for dest, name in CONFIG_FLAGS.items():
+        if name == field:
+            return "--" + dest.replace("_", "-")
+    return field
+
+
+def _read_toml(path: str) -> tuple[EncoderConfig, dict[str, Any]]:
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"--config: cannot read {path}: {exc}") from None
+    server = data.pop("server", {})
+    if not isinstance(server, dict):
+        raise UsageError(f"--config: [server] in {path} must be a table")
+    unknown = sorted(key for key in server if key not in SERVER_KEYS)
+    if unknown:
+        raise UsageError(f"--config: unknown key server.{unknown[0]} in {path}")
+    for key, value in server.items():
+        expected = SERVER_KEYS[key]
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise UsageError(f"--config: server.{key} in {path} has the wrong type")
+    section = data.get("encoder", data)
+    if not isinstance(section, dict):
+        raise UsageError(f"--config: [encoder] in {path} must be a table")
+    try:
+        return EncoderConfig.from_mapping(section), server
+    except BadRequestError as exc:
+        raise UsageError(f"--config: {path}: {exc.message}") from None
+
+
+def resolve(args: argparse.Namespace) -> ServeOptions:
+    """The options ``args`` (and its ``--config`` file) describe; flags win over the file.
+
+    :raises UsageError: naming the flag or field that is invalid.
+    """
+    config = EncoderConfig()
+    server: dict[str, Any] = {}
+    if args.config is not None:
+        config, server = _read_toml(args.config)
+    overrides = {
+        field: getattr(args, dest)
+        for dest, field in CONFIG_FLAGS.items()
+        if getattr(args, dest, None) is not None
+    }
+    try:
+        config = config.replace(**overrides)
+    except BadRequestError as exc:
+        field = next((name for name in overrides if exc.message.startswith(name)), None)
+        prefix = f"{_flag(field)}: " if field else ""
+        raise UsageError(f"{prefix}{exc.message}") from None
+    options = dict(_DEFAULTS)
+    options.update(server)
+    for key in ("host", "port", "dp", "worker_class", "log_level", "max_body_mb"):
+        value = getattr(args, key, None)
+        if value is not None:
+            options[key] = value
+    if getattr(args, "health_timeout", None) is not None:
+        options["health_timeout_s"] = args.health_timeout
+    if not 0 <= options["port"] <= 65535:
+        raise UsageError(f"--port must be in [0, 65535]; got {options['port']}")
+    if options["worker_class"] not in ("asyncio", "trio"):
+        raise UsageError(f"--worker-class must be asyncio or trio; got {options['worker_class']!r}")
+    if str(options["log_level"]).lower() not in _LOG_LEVELS:
+        raise UsageError(f"--log-level must be one of {', '.join(_LOG_LEVELS)}")
+    model = config.model
+    if model not in BUILTIN_MODELS and model not in SERVER_MODELS and not Path(model).is_dir():
+        known = ", ".join((*BUILTIN_MODELS, *SERVER_MODELS))
+        raise UsageError(
+            f"--model: {model!r} is neither a built-in model ({known}) nor a checkpoint folder"
+        )
+    try:
+        settings = ServerSettings(
+            dp=options["dp"],
+            max_body_bytes=options["max_body_mb"] * _MIB
+            if isinstance(options["max_body_mb"], int) and options["max_body_mb"] > 0
+            else options["max_body_mb"],
+            health_timeout_s=options["health_timeout_s"],
+            worker_log_level=str(options["log_level"]).lower(),
+        )
+    except BadRequestError as exc:
+        flags = {"dp": "--dp", "max_body_bytes": "--max-body-mb", "health": "--health-timeout"}
+        flag = next((f for key, f in flags.items() if exc.message.startswith(key)), "")
+        raise UsageError(f"{flag}: {exc.message}" if flag else exc.message) from None
+    return ServeOptions(
+        config,
+        settings,
+        options["host"],
+        options["port"],
+        options["worker_class"],
+        str(options["log_level"]).lower(),
+    )
+
+
+async def _watch_signals(
+    stop: anyio.Event,
+    force: anyio.CancelScope,
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            if not stop.is_set():
+                _log.info("got %s: shutting down gracefully", signal.Signals(signum).name)
+                stop.set()
+            else:
+                _log.warning("got %s again: stopping now", signal.Signals(signum).name)
+                force.cancel()
+
+
+def _announce(url: str) -> None:
+    print(f"encdisagg serving on {url}", flush=True)
+
+
+async def _main(options: ServeOptions) -> None:
+    config = options.config
+    settings = options.settings
+    app = create_app(config, settings=settings, flavour=options.worker_class)  # type: ignore[arg-type]
+    stop = anyio.Event()
+    drain_s = config.shutdown_grace_s + config.cleanup_timeout_s
+    async with anyio.create_task_group() as group:
+        await group.start(_watch_signals, stop, group.cancel_scope)
+        await serve(
+            app,
+            host=options.host,
+            port=options.port,
+            shutdown_trigger=stop.wait,
+            on_serving=_announce,
+            graceful_timeout_s=config.shutdown_grace_s,
+            startup_timeout_s=settings.worker_start_timeout_s + 60.0,
+            shutdown_timeout_s=2 * drain_s + 30.0,
+        )
+        group.cancel_scope.cancel()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """The ``serve`` subcommand: 0 after a graceful shutdown, 2 for invalid options, 1 if
+    the server could not start."""
+    try:
+        options = resolve(args)
+    except UsageError as exc:
+        print(f"encdisagg serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=options.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        anyio.run(_main, options, backend=options.worker_class)
+    except OSError as exc:
+        print(
+            f"encdisagg serve: error: cannot serve on {options.host}:{options.port}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    except Exception as exc:
+        _log.debug("startup failed", exc_info=exc)
+        print(f"encdisagg serve: error: the server failed: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,365 @@
+"""Prometheus metrics of the encoder server.
+
+An :class:`EncoderMetrics` accumulates what one Encoder reports through
+:class:`~encdisagg.encoder.EncoderEvents` (request outcomes and phase latencies), in plain
+mergeable counters. A :class:`MetricsSnapshot` adds the Encoder's gauges and cache counters
+at one moment; data-parallel workers ship their snapshots to the front as msgpack maps, and
+the front sums them. :class:`ServerMetrics` renders the latest snapshot, plus the front's own
+HTTP and worker counters, from a per-app ``CollectorRegistry`` (never the global one).
+
+Every metric name starts with ``encdisagg_``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from .._errors import BadRequestError
+from ..encoder import Encoder, EncoderEvents
+
+__all__ = [
+    "LATENCY_BUCKETS",
+    "EncoderMetrics",
+    "MetricsSnapshot",
+    "ServerMetrics",
+    "ServiceSnapshot",
+    "WorkerStatus",
+]
+
+#: Upper bounds (seconds) of the latency histograms' buckets; ``+Inf`` is implied.
+LATENCY_BUCKETS: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+
+# histogram key -> (metric name, help)
+_HISTOGRAMS: Final = {
+    "request": ("encdisagg_request_seconds", "End-to-end time of an encode, admission to staged."),
+    "queue": ("encdisagg_queue_seconds", "Time an encode waited for its batch to start."),
+    "queue_and_forward": (
+        "encdisagg_queue_and_forward_seconds",
+        "Time from handing an encode to the batcher until its batched forward returned.",
+    ),
+    "preprocess": ("encdisagg_preprocess_seconds", "Media decoding and preprocessing time."),
+    "forward": ("encdisagg_forward_seconds", "Time of one batched forward of the model."),
+    "transfer": ("encdisagg_transfer_seconds", "Time of one delivery to one destination."),
+}
+# EncoderEvents phase name -> histogram key
+_PHASES: Final = {
+    "queue": "queue",
+    "queue+forward": "queue_and_forward",
+    "preprocess": "preprocess",
+    "forward": "forward",
+    "transfer": "transfer",
+}
+_GAUGES: Final = {
+    "live_requests": "Requests the encoder holds (encoding, staged or being delivered).",
+    "staged_bytes": "Bytes of staged embeddings.",
+    "inflight_transfers": "Deliveries in progress.",
+    "registered_regions": "Memory regions registered with the transfer engine.",
+    "cache_entries": "Entries in the prefix (embedding) cache.",
+}
+_CACHE_COUNTERS: Final = {
+    "hits": "Prefix cache lookups that found an embedding.",
+    "misses": "Prefix cache lookups that found nothing.",
+    "evictions": "Prefix cache entries evicted.",
+}
+
+
+@dataclass
+class _Histogram:
+    # counts[i] holds observations <= LATENCY_BUCKETS[i] (and above the previous bound);
+    # the last slot holds those above every bound.
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def add(self, other: _Histogram) -> None:
+        for index, count in enumerate(other.counts):
+            self.counts[index] += count
+        self.total += other.total
+
+    def copy(self) -> _Histogram:
+        return _Histogram(list(self.counts), self.total)
+
+
+class EncoderMetrics:
+    """Counters fed by one Encoder's events; cheap enough for the event loop.
+
+    Pass :meth:`events` to the Encoder: ``Encoder(config, events=metrics.events())``.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[tuple[str, str], int] = {}
+        self._histograms: dict[str, _Histogram] = {key: _Histogram() for key in _HISTOGRAMS}
+
+    def events(self) -> EncoderEvents:
+        """Callbacks that record into this object."""
+        return EncoderEvents(on_request_done=self._request_done, on_phase=self._phase)
+
+    def _request_done(self, modality: str, status: str, seconds: float) -> None:
+        key = (modality, status)
+        self._requests[key] = self._requests.get(key, 0) + 1
+        self._histograms["request"].observe(seconds)
+
+    def _phase(self, phase: str, seconds: float) -> None:
+        key = _PHASES.get(phase)
+        if key is not None:
+            self._histograms[key].observe(seconds)
+
+    def snapshot(self, encoder: Encoder | None) -> MetricsSnapshot:
+        """These counters plus ``encoder``'s gauges and cache counters, now. Not async."""
+        gauges = dict.fromkeys(_GAUGES, 0)
+        cache = dict.fromkeys(_CACHE_COUNTERS, 0)
+        if encoder is not None:
+            stats = encoder.stats()
+            gauges = {name: int(getattr(stats, name)) for name in _GAUGES}
+            cache_stats = encoder.cache.stats()
+            cache = {name: int(getattr(cache_stats, name)) for name in _CACHE_COUNTERS}
+        return MetricsSnapshot(
+            requests=dict(self._requests),
+            histograms={key: hist.copy() for key, hist in self._histograms.items()},
+            gauges=gauges,
+            cache=cache,
+        )
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What one or more Encoders reported, at one moment."""
+
+    requests: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    histograms: Mapping[str, _Histogram] = field(default_factory=dict)
+    gauges: Mapping[str, int] = field(default_factory=dict)
+    cache: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def merge(cls, snapshots: Iterable[MetricsSnapshot]) -> MetricsSnapshot:
+        """The sum of ``snapshots`` (counters, histograms and gauges alike)."""
+        requests: dict[tuple[str, str], int] = {}
+        histograms: dict[str, _Histogram] = {key: _Histogram() for key in _HISTOGRAMS}
+        gauges = dict.fromkeys(_GAUGES, 0)
+        cache = dict.fromkeys(_CACHE_COUNTERS, 0)
+        for snapshot in snapshots:
+            for labels, count in snapshot.requests.items():
+                requests[labels] = requests.get(labels, 0) + count
+            for key, hist in snapshot.histograms.items():
+                histograms[key].add(hist)
+            for name, value in snapshot.gauges.items():
+                gauges[name] += value
+            for name, value in snapshot.cache.items():
+                cache[name] += value
+        return cls(requests, histograms, gauges, cache)
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack-friendly map (see :meth:`from_wire`)."""
+        return {
+            "requests": [[m, s, n] for (m, s), n in self.requests.items()],
+            "histograms": {k: [list(h.counts), h.total] for k, h in self.histograms.items()},
+            "gauges": dict(self.gauges),
+            "cache": dict(self.cache),
+        }
+
+    @classmethod
+    def from_wire(cls, value: object) -> MetricsSnapshot:
+        """Decode :meth:`to_wire`'s map strictly.
+
+        :raises BadRequestError: naming what is malformed.
+        """
+        if not isinstance(value, dict) or set(value) != {
+            "requests",
+            "histograms",
+            "gauges",
+            "cache",
+        }:
+            raise BadRequestError(
+                "a metrics snapshot must have requests, histograms, gauges, cache"
+            )
+        requests: dict[tuple[str, str], int] = {}
+        for entry in _list(value["requests"], "requests"):
+            match entry:
+                case [str(modality), str(status), int(count)] if not isinstance(count, bool):
+                    requests[(modality, status)] = count
+                case _:
+                    raise BadRequestError("requests entries must be [modality, status, count]")
+        histograms: dict[str, _Histogram] = {}
+        for key, entry in _dict(value["histograms"], "histograms").items():
+            if key not in _HISTOGRAMS:
+                raise BadRequestError(f"unknown histogram {key!r}")
+            match entry:
+                case [list(counts), int(total) | float(total)] if len(counts) == len(
+                    LATENCY_BUCKETS
+                ) + 1 and all(_is_count(c) for c in counts):
+                    histograms[key] = _Histogram(list(counts), float(total))
+                case _:
+                    raise BadRequestError(f"histogram {key!r} is malformed")
+        gauges = _counts(value["gauges"], "gauges", _GAUGES)
+        cache = _counts(value["cache"], "cache", _CACHE_COUNTERS)
+        return cls(requests, histograms, gauges, cache)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _list(value: object, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise BadRequestError(f"{name} must be a list")
+    return value
+
+
+def _dict(value: object, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise BadRequestError(f"{name} must be a map")
+    return value
+
+
+def _counts(value: object, name: str, known: Mapping[str, str]) -> dict[str, int]:
+    counts = _dict(value, name)
+    for key, count in counts.items():
+        if key not in known or not _is_count(count):
+            raise BadRequestError(f"{name}.{key} is unknown or not a count")
+    return dict(counts)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One data-parallel worker, as the front sees it."""
+
+    rank: int
+    alive: bool
+    pending: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSnapshot:
+    """What a backend reports for one scrape: its Encoders' metrics, and (data parallel)
+    its workers and the worker messages it dropped."""
+
+    encoder: MetricsSnapshot
+    workers: tuple[WorkerStatus, ...] = ()
+    malformed_messages: int | None = None
+
+
+class ServerMetrics:
+    """The metrics of one app: a private registry and what the routes count.
+
+    ``registry`` may be added to a larger exposition by the embedding application.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._http: dict[tuple[str, str], int] = {}
+        self._latest = ServiceSnapshot(MetricsSnapshot.merge(()))
+        self.registry.register(_Collector(self))
+
+    def count_http(self, route: str, code: int) -> None:
+        """Count one answered request. Not async."""
+        key = (route, str(code))
+        self._http[key] = self._http.get(key, 0) + 1
+
+    def update(self, snapshot: ServiceSnapshot) -> None:
+        """Replace what the next :meth:`render` shows. Not async."""
+        self._latest = snapshot
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry. Not async."""
+        return generate_latest(self.registry)
+
+    def _families(self) -> Iterator[Metric]:
+        latest = self._latest
+        snapshot = latest.encoder
+        http = CounterMetricFamily(
+            "encdisagg_http_requests",
+            "HTTP requests answered by the encoder routes.",
+            labels=["route", "code"],
+        )
+        for (route, code), count in sorted(self._http.items()):
+            http.add_metric([route, code], count)
+        yield http
+        requests = CounterMetricFamily(
+            "encdisagg_requests",
+            "Encode requests by modality and outcome.",
+            labels=["modality", "status"],
+        )
+        for (modality, status), count in sorted(snapshot.requests.items()):
+            requests.add_metric([modality, status], count)
+        yield requests
+        for key, (name, documentation) in _HISTOGRAMS.items():
+            hist = snapshot.histograms.get(key, _Histogram())
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, count in zip(
+                (*(repr(float(b)) for b in LATENCY_BUCKETS), "+Inf"), hist.counts, strict=True
+            ):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            yield HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=hist.total)
+        for name, documentation in _GAUGES.items():
+            yield GaugeMetricFamily(
+                f"encdisagg_{name}", documentation, value=snapshot.gauges.get(name, 0)
+            )
+        for name, documentation in _CACHE_COUNTERS.items():
+            yield CounterMetricFamily(
+                f"encdisagg_cache_{name}", documentation, value=snapshot.cache.get(name, 0)
+            )
+        if latest.workers:
+            alive = GaugeMetricFamily(
+                "encdisagg_dp_worker_up", "1 if the data-parallel worker is alive.", labels=["rank"]
+            )
+            pending = GaugeMetricFamily(
+                "encdisagg_dp_pending",
+                "Calls dispatched to the worker and not answered yet.",
+                labels=["rank"],
+            )
+            for worker in latest.workers:
+                alive.add_metric([str(worker.rank)], 1 if worker.alive else 0)
+                pending.add_metric([str(worker.rank)], worker.pending)
+            yield alive
+            yield pending
+        if latest.malformed_messages is not None:
+            yield CounterMetricFamily(
+                "encdisagg_dp_malformed_messages",
+                "Messages from workers that were dropped as malformed.",
+                value=latest.malformed_messages,
+            )
+
+
+class _Collector:
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics._families()

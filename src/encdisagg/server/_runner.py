@@ -1,0 +1,133 @@
+"""Serving an app with Hypercorn on the running event loop (asyncio or Trio).
+
+:func:`serve` binds the listening socket itself (so port 0 yields the real port before
+Hypercorn starts), hands it to Hypercorn as ``fd://``, and reports the URL once the app's
+lifespan startup completed. Shutdown is the caller's ``shutdown_trigger``; Hypercorn then
+stops accepting, lets requests in flight finish within ``graceful_timeout_s``, and runs the
+lifespan shutdown (which closes the Encoder).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, cast
+
+import anyio
+import anyio.abc
+import sniffio
+from hypercorn.config import Config as HypercornConfig
+
+__all__ = ["bind_socket", "serve"]
+
+_log = logging.getLogger("encdisagg.server")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free port).
+
+    :raises OSError: if the address cannot be bound.
+    """
+    sock = socket.create_server(
+        (host, port),
+        family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+        reuse_port=False,
+        backlog=1024,
+    )
+    sock.setblocking(False)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+class _WatchStartup:
+    """ASGI middleware that calls ``on_started`` once the lifespan startup completed."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], on_started: Callable[[], None]):
+        self._app = app
+        self._on_started = on_started
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "lifespan":
+            await self._app(scope, receive, send)
+            return
+
+        async def watched_send(message: Any) -> None:
+            await send(message)
+            if message["type"] == "lifespan.startup.complete":
+                self._on_started()
+
+        await self._app(scope, receive, watched_send)
+
+
+async def serve(
+    app: Callable[..., Awaitable[None]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    shutdown_trigger: Callable[[], Awaitable[Any]],
+    on_serving: Callable[[str], None] | None = None,
+    graceful_timeout_s: float = 30.0,
+    startup_timeout_s: float = 600.0,
+    shutdown_timeout_s: float = 120.0,
+    sock: socket.socket | None = None,
+) -> None:
+    """Serve ``app`` with Hypercorn until ``shutdown_trigger`` returns, then shut down.
+
+    A checkpoint; returns once the server and the app's lifespan shut down. Runs on the
+    current event loop: a ``Quart`` app needs asyncio, a ``QuartTrio`` app needs Trio.
+    ``on_serving(url)`` is called once the lifespan startup completed (the socket already
+    listens, so clients may connect from then on). Cancelling the call stops the server
+    without the graceful drain.
+
+    :param sock: a listening socket to serve on instead of binding ``host:port``; it is
+        handed to Hypercorn, which closes it.
+    :raises OSError: if the address cannot be bound.
+    :raises hypercorn.utils.LifespanFailureError: if the app's startup failed.
+    """
+    listener = sock if sock is not None else bind_socket(host, port)
+    url = _url(listener)
+    config = HypercornConfig()
+    # Hypercorn takes the descriptor over (and closes it); detach so nobody closes it twice.
+    config.bind = [f"fd://{listener.detach()}"]
+    config.graceful_timeout = graceful_timeout_s
+    config.startup_timeout = startup_timeout_s
+    config.shutdown_timeout = shutdown_timeout_s
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+
+    started = anyio.Event()
+    wrapped = _WatchStartup(app, started.set)
+
+    async def announce() -> None:
+        await started.wait()
+        if on_serving is not None:
+            on_serving(url)
+
+    if sniffio.current_async_library() == "trio":
+        from hypercorn.trio import serve as hypercorn_serve
+    else:
+        from hypercorn.asyncio import serve as hypercorn_serve  # type: ignore[assignment]
+
+    async def run_server(group: anyio.abc.TaskGroup) -> None:
+        await hypercorn_serve(
+            cast(Any, wrapped), config, shutdown_trigger=shutdown_trigger, mode="asgi"
+        )
+        group.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(announce)
+        # In a task of its own: hypercorn.asyncio's serve leaves its task with an unmatched
+        # cancellation request (Task.cancelling() stays 1), which would make an enclosing
+        # cancel scope in the same task mistake its own cancellation for a foreign one.
+        group.start_soon(run_server, group)
