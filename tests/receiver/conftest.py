@@ -18,7 +18,7 @@ from encdisagg.models import QwenVisionModel, load_model
 from encdisagg.pipeline import serve_asgi
 from encdisagg.transfer import MooncakeEngine, TransferEngine
 
-from ._encoder_app import EncoderApp, Faults
+from ._encoder_app import Faults, FaultyApp
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +56,7 @@ async def encoder_server(
     faults = faults or Faults()
     config = EncoderConfig(transfer=transfer, request_timeout_s=30.0, send_timeout_s=30.0)
     async with Encoder(config, model=model, engine=engine) as encoder:
-        async with serve_asgi(EncoderApp(encoder, faults)) as url:
+        async with serve_asgi(FaultyApp(encoder, faults)) as url:
             yield url, encoder, faults
         # A release that arrives while its encode is in flight completes when the encode
         # ends (DESIGN 4.5): give such encodes a moment to end.
