@@ -1,0 +1,490 @@
+"""``encdisagg demo``: an E→P→D pipeline on one machine, checked against a colocated run.
+
+Topology (one process, one event loop; every hop crosses a real transport):
+
+- ``encoders`` encoder servers: :func:`encdisagg.server.create_app` served by Hypercorn, each
+  with its own :class:`~encdisagg.Encoder` (and, for Mooncake, its own engine);
+- a prefill worker and a decode worker, each with its own language model instance and its
+  own transfer engine (Loopback engines on one fabric for ``--transfer zmq``, Mooncake TCP
+  engines for ``--transfer mooncake``);
+- embeddings E→P over ZMQ or Mooncake, KV P→D over the engines, control in-process.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import statistics
+import sys
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TextIO
+
+import anyio
+import sniffio
+
+from .._config import EncoderConfig
+from .._errors import BadRequestError
+from ..nurseries import run_thread_to_completion
+from ..receiver import EmbeddingReceiver, EncoderClient
+from ._decode import DecodePhase, DecodeResult, DecodeStats, DecodeStatus, DecodeWorker
+from ._images import DemoImage, demo_images
+from ._lm import LanguageModel
+from ._prefill import PipelineRequest, PrefillReport, PrefillStatus, PrefillWorker
+from ._progress import ProgressBar
+from ._serve import serve_asgi
+
+if TYPE_CHECKING:
+    from ..transfer import TransferEngine
+
+__all__ = ["DemoOptions", "DemoReport", "RequestOutcome", "run_demo"]
+
+_PROMPTS = (
+    "Describe the picture.",
+    "What colours do you see?",
+    "Count the shapes.",
+    "Is there anything round in it?",
+    "Write a caption for this image.",
+)
+
+#: Where an abort may hit a request (the decode side's phases).
+ABORT_PHASES = (
+    DecodePhase.WAITING,
+    DecodePhase.PREALLOC,
+    DecodePhase.TRANSFER,
+    DecodePhase.DECODING,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What ``encdisagg demo`` runs. Invalid values raise ``BadRequestError`` naming them."""
+
+    requests: int = 8
+    transfer: str = "zmq"
+    #: ``"tiny"`` or a local full Qwen2-VL checkpoint folder (tower and language model).
+    model: str = "tiny"
+    #: Probability that a request is aborted (at a random phase on the decode side).
+    abort_rate: float = 0.0
+    new_tokens: int = 8
+    #: Seeds the workload: images, prompts, aborts (not the model weights).
+    seed: int = 0
+    encoders: int = 2
+    concurrency: int = 4
+    max_images: int = 3
+    image_min_side: int = 56
+    image_max_side: int = 112
+    release_timeout_s: float = 30.0
+    #: Print one line per request.
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("requests", self.requests >= 1),
+            ("transfer", self.transfer in ("zmq", "mooncake")),
+            ("abort_rate", 0.0 <= self.abort_rate <= 1.0),
+            ("new_tokens", self.new_tokens >= 1),
+            ("encoders", self.encoders >= 1),
+            ("concurrency", self.concurrency >= 1),
+            ("max_images", self.max_images >= 1),
+            ("image_min_side", 1 <= self.image_min_side <= self.image_max_side),
+            ("release_timeout_s", self.release_timeout_s > 0),
+        )
+        for name, ok in checks:
+            if not ok:
+                raise BadRequestError(f"{name}: invalid value {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """One request of the demo, end to end."""
+
+    rid: str
+    images: int
+    status: DecodeStatus
+    tokens: tuple[int, ...]
+    #: The colocated run's tokens (``None`` if it was not run: aborted or failed requests).
+    reference: tuple[int, ...] | None
+    error: str
+    #: The decode phase an abort was aimed at, if one was.
+    abort_phase: DecodePhase | None
+    ttft_s: float | None
+    tpot_s: float | None
+    prompt_tokens: int
+    prefill_checksum: int
+    decode_checksum: int
+
+    @property
+    def parity(self) -> bool | None:
+        """Whether the tokens equal the colocated run's (``None``: not compared)."""
+        return None if self.reference is None else self.tokens == self.reference
+
+    @property
+    def kv_intact(self) -> bool | None:
+        """Whether decode committed the exact KV prefill wrote (``None``: not committed)."""
+        if self.status is not DecodeStatus.COMPLETED:
+            return None
+        return self.decode_checksum != 0 and self.decode_checksum == self.prefill_checksum
+
+
+@dataclass(frozen=True, slots=True)
+class DemoReport:
+    options: DemoOptions
+    outcomes: tuple[RequestOutcome, ...]
+    decode: DecodeStats
+    #: Pages and rows of prefill's staging memory not back at the end.
+    leaked_staging: int
+    #: Landing pages still in use (or quarantined) at the end.
+    leaked_landing: int
+    #: Requests still live on the encoders once the pipeline went idle.
+    encoder_live: int
+    elapsed_s: float
+    backend: str
+    problems: tuple[str, ...] = field(default=())
+
+    @property
+    def parity_failures(self) -> tuple[str, ...]:
+        """Requests that were not aborted yet did not match the colocated run (or failed)."""
+        bad = []
+        for outcome in self.outcomes:
+            if outcome.abort_phase is not None and outcome.status is not DecodeStatus.COMPLETED:
+                continue
+            if outcome.status is not DecodeStatus.COMPLETED:
+                bad.append(f"{outcome.rid} ({outcome.status.value}: {outcome.error})")
+            elif not outcome.parity:
+                expected = list(outcome.reference or ())
+                bad.append(f"{outcome.rid} (tokens {list(outcome.tokens)} != {expected})")
+        return tuple(bad)
+
+    @property
+    def kv_corrupt(self) -> int:
+        return self.decode.corrupt + sum(1 for o in self.outcomes if o.kv_intact is False)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.parity_failures
+            and self.kv_corrupt == 0
+            and self.leaked_pages == 0
+            and self.leaked_slots == 0
+            and not self.problems
+        )
+
+    @property
+    def leaked_pages(self) -> int:
+        return (
+            self.decode.pages_total
+            - self.decode.pages_free
+            + self.leaked_staging
+            + self.leaked_landing
+        )
+
+    @property
+    def leaked_slots(self) -> int:
+        return self.decode.slots_total - self.decode.slots_free
+
+    def summary_line(self) -> str:
+        counts = dict.fromkeys(DecodeStatus, 0)
+        for outcome in self.outcomes:
+            counts[outcome.status] += 1
+        ttfts = [o.ttft_s for o in self.outcomes if o.ttft_s is not None]
+        tpots = [o.tpot_s for o in self.outcomes if o.tpot_s is not None]
+        failures = self.parity_failures
+        parity = "parity=ok" if not failures else f"parity=FAILED {'; '.join(failures)}"
+        parts = [
+            f"requests={len(self.outcomes)}",
+            f"completed={counts[DecodeStatus.COMPLETED]}",
+            f"aborted={counts[DecodeStatus.ABORTED]}",
+            f"failed={counts[DecodeStatus.FAILED]}",
+            f"transfer={self.options.transfer}",
+            f"encoders={self.options.encoders}",
+            f"ttft_p50={_ms(_median(ttfts))}",
+            f"tpot_p50={_ms(_median(tpots))}",
+            f"held_releases={self.decode.held_releases}",
+            f"drained={self.decode.drained_releases}",
+            f"timed_out={self.decode.timed_out_releases}",
+            f"leaked_pages={self.leaked_pages}",
+            f"leaked_slots={self.leaked_slots}",
+            f"kv_corrupt={self.kv_corrupt}",
+            f"elapsed={self.elapsed_s:.2f}s",
+        ]
+        if self.problems:
+            parts.append(f"problems={'; '.join(self.problems)}")
+        parts.append(parity)
+        return "demo: " + " ".join(parts)
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1000:.1f}ms"
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    request: PipelineRequest
+    images: tuple[DemoImage, ...]
+    abort_phase: DecodePhase | None
+
+
+def _plan(options: DemoOptions) -> list[_Planned]:
+    rng = random.Random(options.seed)
+    counts = [rng.randint(1, options.max_images) for _ in range(options.requests)]
+    pool = demo_images(
+        sum(counts),
+        seed=options.seed,
+        min_side=options.image_min_side,
+        max_side=options.image_max_side,
+    )
+    rng.shuffle(pool)
+    planned = []
+    cursor = 0
+    for index, count in enumerate(counts):
+        images = tuple(pool[cursor : cursor + count])
+        cursor += count
+        abort = rng.choice(ABORT_PHASES) if rng.random() < options.abort_rate else None
+        request = PipelineRequest(
+            rid=f"req-{index:03d}",
+            room=index + 1,
+            prompt=rng.choice(_PROMPTS),
+            images=tuple(image.data_url for image in images),
+            max_new_tokens=options.new_tokens,
+        )
+        planned.append(_Planned(request, images, abort))
+    return planned
+
+
+async def _load_models(options: DemoOptions) -> tuple[LanguageModel, LanguageModel, LanguageModel]:
+    def load() -> LanguageModel:
+        if options.model == "tiny":
+            return LanguageModel.tiny()
+        return LanguageModel.from_pretrained(options.model)
+
+    # Three instances: prefill, decode and the colocated reference never share a model.
+    prefill = await run_thread_to_completion(load)
+    decode = await run_thread_to_completion(load)
+    reference = await run_thread_to_completion(load)
+    return prefill, decode, reference
+
+
+async def run_demo(
+    options: DemoOptions,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> DemoReport:
+    """Run the whole pipeline once and check it against the colocated model.
+
+    A checkpoint; runs on the current backend (asyncio or Trio). Prints one line per
+    request to ``out`` (stdout) and a progress bar to ``err`` (stderr); the caller prints
+    the report's :meth:`DemoReport.summary_line`.
+    """
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    from ..encoder import Encoder
+    from ..server import create_app
+
+    backend = sniffio.current_async_library()
+    flavour: Literal["asyncio", "trio"] = "trio" if backend == "trio" else "asyncio"
+    planned = await run_thread_to_completion(_plan, options)
+    started = anyio.current_time()
+    async with AsyncExitStack() as stack:
+        prefill_engine, decode_engine = await _open_engines(stack, options.transfer)
+        encoders: list[Encoder] = []
+        urls: list[str] = []
+        for _ in range(options.encoders):
+            config = EncoderConfig(
+                model=options.model,
+                transfer=options.transfer,
+                allow_local_files=False,
+                request_timeout_s=60.0,
+                send_timeout_s=60.0,
+            )
+            encoder = Encoder(config)
+            encoders.append(encoder)
+            urls.append(
+                await stack.enter_async_context(serve_asgi(create_app(encoder, flavour=flavour)))
+            )
+        lm_prefill, lm_decode, lm_reference = await _load_models(options)
+        client = await stack.enter_async_context(EncoderClient(urls))
+        receiver = await stack.enter_async_context(
+            EmbeddingReceiver(
+                transport=options.transfer,
+                hidden_size=lm_prefill.hidden_size,
+                dtype=lm_prefill.dtype,
+                engine=prefill_engine if options.transfer == "mooncake" else None,
+            )
+        )
+        decode = DecodeWorker(
+            lm_decode, engine=decode_engine, release_timeout_s=options.release_timeout_s
+        )
+        prefill = PrefillWorker(
+            lm_prefill,
+            client=client,
+            receiver=receiver,
+            engine=prefill_engine,
+            page_bytes=decode.page_bytes,
+        )
+        prefill.connect(decode.deliver)
+        decode.connect(prefill.deliver)
+        await stack.enter_async_context(decode)
+        await stack.enter_async_context(prefill)
+
+        results: dict[str, tuple[DecodeResult, PrefillReport]] = {}
+        bar = ProgressBar(len(planned), stream=err)
+        limiter = anyio.CapacityLimiter(options.concurrency)
+
+        async def one(item: _Planned) -> None:
+            async with limiter:
+                request = item.request
+                handle = decode.admit(
+                    request.rid, request.room, max_new_tokens=request.max_new_tokens
+                )
+                reports: list[PrefillReport] = []
+
+                async def run_prefill() -> None:
+                    reports.append(await prefill.prefill(request))
+
+                async def abort_later(phase: DecodePhase) -> None:
+                    await decode.wait_phase(request.rid, phase)
+                    decode.abort(request.rid)
+
+                async with anyio.create_task_group() as group:
+                    group.start_soon(run_prefill)
+                    if item.abort_phase is not None:
+                        group.start_soon(abort_later, item.abort_phase)
+                    result = await handle.wait()
+                results[request.rid] = (result, reports[0])
+                bar.advance(result.status.value)
+
+        bar.draw()
+        async with anyio.create_task_group() as group:
+            for item in planned:
+                group.start_soon(one, item)
+        bar.finish()
+
+        # Everything answered: every page must come back (held ones once acked).
+        with anyio.move_on_after(options.release_timeout_s + 5.0):
+            await decode.wait_idle()
+        encoder_live = await _settle_encoders(encoders)
+        decode_stats = decode.stats()
+        leaked_staging = (prefill.staging.num_pages - prefill.staging.available()) + (
+            prefill.rows.size - prefill.row_slots.available()
+        )
+        receiver_stats = receiver.stats()
+        leaked_landing = receiver_stats.landing_pages_in_use + receiver_stats.quarantined_pages
+
+        outcomes = await _compare(planned, results, lm_reference)
+    elapsed = anyio.current_time() - started
+    problems = []
+    if encoder_live:
+        problems.append(f"{encoder_live} requests left on the encoders")
+    report = DemoReport(
+        options=options,
+        outcomes=tuple(outcomes),
+        decode=decode_stats,
+        leaked_staging=leaked_staging,
+        leaked_landing=leaked_landing,
+        encoder_live=encoder_live,
+        elapsed_s=elapsed,
+        backend=backend,
+        problems=tuple(problems),
+    )
+    if options.verbose:
+        for outcome in outcomes:
+            print(_request_line(outcome), file=out)
+    return report
+
+
+async def _open_engines(
+    stack: AsyncExitStack, transfer: str
+) -> tuple[TransferEngine, TransferEngine]:
+    """Prefill's and decode's engines: Mooncake TCP, or Loopback engines on one fabric."""
+    if transfer == "mooncake":
+        from ..transfer import MooncakeEngine
+
+        mooncake_prefill = await stack.enter_async_context(MooncakeEngine())
+        mooncake_decode = await stack.enter_async_context(MooncakeEngine())
+        return mooncake_prefill, mooncake_decode
+    from ..transfer import LoopbackEngine, LoopbackFabric
+
+    fabric = LoopbackFabric()
+    loopback_prefill = await stack.enter_async_context(LoopbackEngine(fabric, name="prefill"))
+    loopback_decode = await stack.enter_async_context(LoopbackEngine(fabric, name="decode"))
+    return loopback_prefill, loopback_decode
+
+
+async def _settle_encoders(encoders: Sequence[Any]) -> int:
+    """Requests still live on the encoders, after giving releases in flight a moment."""
+    with anyio.move_on_after(10.0):
+        # The Encoder offers no idle event; a bounded poll is enough for a final check.
+        while any(encoder.stats().live_requests for encoder in encoders):  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    return sum(encoder.stats().live_requests for encoder in encoders)
+
+
+async def _compare(
+    planned: Sequence[_Planned],
+    results: dict[str, tuple[DecodeResult, PrefillReport]],
+    reference: LanguageModel,
+) -> list[RequestOutcome]:
+    outcomes = []
+    for item in planned:
+        request = item.request
+        result, report = results[request.rid]
+        expected: tuple[int, ...] | None = None
+        if result.status is DecodeStatus.COMPLETED:
+            run = functools.partial(
+                reference.generate_colocated,
+                request.prompt,
+                [image.image for image in item.images],
+                max_new_tokens=request.max_new_tokens,
+            )
+            expected = tuple(await run_thread_to_completion(run))
+        ttft = tpot = None
+        if result.first_token_at is not None:
+            ttft = result.first_token_at - result.started_at
+            if result.status is DecodeStatus.COMPLETED and len(result.tokens) > 1:
+                tpot = (result.finished_at - result.first_token_at) / (len(result.tokens) - 1)
+        error = result.error
+        if report.status is PrefillStatus.FAILED and not error:
+            error = report.error
+        outcomes.append(
+            RequestOutcome(
+                rid=request.rid,
+                images=len(item.images),
+                status=result.status,
+                tokens=result.tokens,
+                reference=expected,
+                error=error,
+                abort_phase=item.abort_phase,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                prompt_tokens=report.seq_len,
+                prefill_checksum=report.checksum,
+                decode_checksum=result.checksum,
+            )
+        )
+    return outcomes
+
+
+def _request_line(outcome: RequestOutcome) -> str:
+    parts = [
+        f"{outcome.rid}",
+        f"images={outcome.images}",
+        f"prompt={outcome.prompt_tokens:>4} tok",
+        f"ttft={_ms(outcome.ttft_s):>8}",
+        f"tpot={_ms(outcome.tpot_s):>7}",
+        f"tokens={len(outcome.tokens):>2}",
+        f"{outcome.status.value:<9}",
+    ]
+    if outcome.abort_phase is not None:
+        parts.append(f"abort@{outcome.abort_phase.name.lower()}")
+    if outcome.parity is not None:
+        parts.append("parity ok" if outcome.parity else "PARITY MISMATCH")
+    if outcome.status is DecodeStatus.FAILED:
+        parts.append(outcome.error)
+    return "  ".join(parts)

@@ -1,0 +1,514 @@
+"""The prefill worker: embeddings from the encoders, prefill, KV into decode's memory.
+
+Per request, in its caller's task (:meth:`PrefillWorker.prefill`):
+
+1. fetch the image embeddings (:func:`~encdisagg.receiver.fetch_embeddings`);
+2. build the prompt around them and run prefill in a worker thread (the embeddings are
+   copied into the model's input there, so the landing memory is free right after);
+3. pack the KV into staging pages registered with this worker's engine, and tell decode the
+   prompt length (:class:`BootstrapInfo`);
+4. wait for decode's pages (:class:`KVDestination`), write every page and then the metadata
+   row (its room tag last), in a worker thread that is never abandoned;
+5. report (:class:`TransferDone`), or, if decode aborted, stop between pages and send the
+   drained-ack of the abort's generation once the last write returned.
+
+The staging pages and row are owned by the request's call and freed when it returns, which is
+after every write that reads them ended.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+import anyio
+import anyio.lowlevel
+
+from .._errors import (
+    BadRequestError,
+    EncdisaggError,
+    InternalError,
+    RequestNotActiveError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
+from .._modality import Modality
+from ..decode import KVPagePool, MetadataSlotAllocator, MetadataSlotTable
+from ..nurseries import run_thread_to_completion
+from ..receiver import EmbeddingReceiver, EncoderClient, fetch_embeddings
+from ._decode import ROPE_DELTA_WORD, SEQ_LEN_WORD
+from ._lm import LanguageModel, PrefillResult
+from ._messages import (
+    AbortRequest,
+    BootstrapInfo,
+    DecodeMessage,
+    DrainedAck,
+    KVDestination,
+    PrefillMessage,
+    TransferDone,
+)
+
+if TYPE_CHECKING:
+    from ..transfer import TransferEngine
+
+__all__ = ["PipelineRequest", "PrefillReport", "PrefillStatus", "PrefillWorker"]
+
+_log = logging.getLogger("encdisagg.pipeline")
+
+#: Aborts remembered for requests that have not started here yet.
+_TOMBSTONES: Final = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineRequest:
+    """One request of the pipeline: a prompt about some images."""
+
+    rid: str
+    #: The bootstrap room prefill and decode know the request by (unique, non-zero).
+    room: int
+    prompt: str
+    #: Media items the encoders accept (data URLs, base64, URLs they may fetch).
+    images: tuple[str, ...]
+    max_new_tokens: int
+
+
+class PrefillStatus(enum.Enum):
+    #: Every KV byte and the metadata row landed in decode's memory.
+    DONE = "done"
+    #: Decode aborted; writes stopped and (if pages were out) the drain was acked.
+    ABORTED = "aborted"
+    #: Something failed here; decode was told.
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReport:
+    """How a request went on the prefill side. Times are ``anyio.current_time()`` readings."""
+
+    rid: str
+    status: PrefillStatus
+    error: str = ""
+    seq_len: int = 0
+    first_token: int = 0
+    #: Checksum of the KV pages as written (what decode must find).
+    checksum: int = 0
+    image_tokens: tuple[int, ...] = ()
+    started_at: float = 0.0
+    embedded_at: float | None = None
+    prefilled_at: float | None = None
+    written_at: float | None = None
+
+
+@dataclass(eq=False)
+class _Job:
+    request: PipelineRequest
+    #: Cancelled by an abort while nothing is being written.
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    aborted: bool = False
+    #: The generation of decode's abort, once one carried it: ack it after the last write.
+    generation: int | None = None
+    destination: KVDestination | None = None
+    destination_ready: anyio.Event = field(default_factory=anyio.Event)
+    #: True while the write thread runs: then an abort only raises ``stop``.
+    writing: bool = False
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False, slots=True)
+class _Staged:
+    pages: tuple[int, ...]
+    row: int
+    checksum: int = 0
+
+
+class PrefillWorker(anyio.AsyncContextManagerMixin):
+    """Runs prefill for requests and writes their KV into a decode worker's memory.
+
+    ``async with PrefillWorker(...) as prefill:`` registers the staging pages and rows with
+    ``engine``; leaving deregisters them, after the requests still running (in their callers'
+    tasks) returned (shielded wait, bounded by ``close_timeout_s``). The
+    :class:`~encdisagg.receiver.EncoderClient` and
+    :class:`~encdisagg.receiver.EmbeddingReceiver` must be open while requests run.
+
+    :param lm: the language model (its own instance).
+    :param client: reaches the encoders.
+    :param receiver: where embeddings land.
+    :param engine: writes the KV (Loopback or Mooncake, the decode side's kind).
+    :param page_bytes: KV page size; must equal the decode worker's.
+    :param staging_pages: staging pages (KV of requests between prefill and write).
+    :param staging_rows: staging metadata rows.
+    :param rank: this worker's prefill rank (named in its acks).
+    :param fetch_timeout_s: bound on getting a request's embeddings.
+    :param destination_timeout_s: bound on waiting for decode's pages.
+    :param staging_timeout_s: bound on waiting for staging pages.
+    """
+
+    def __init__(
+        self,
+        lm: LanguageModel,
+        *,
+        client: EncoderClient,
+        receiver: EmbeddingReceiver,
+        engine: TransferEngine,
+        page_bytes: int,
+        staging_pages: int = 512,
+        staging_rows: int = 64,
+        rank: int = 0,
+        fetch_timeout_s: float = 120.0,
+        destination_timeout_s: float = 120.0,
+        staging_timeout_s: float = 60.0,
+        close_timeout_s: float = 30.0,
+    ) -> None:
+        self.lm = lm
+        self.client = client
+        self.receiver = receiver
+        self.engine = engine
+        self.rank = rank
+        self.page_bytes = page_bytes
+        self.staging = KVPagePool(staging_pages, page_bytes)
+        self.rows = MetadataSlotTable(staging_rows)
+        self.row_slots = MetadataSlotAllocator(staging_rows, zero_slot=self.rows.zero)
+        self._fetch_timeout_s = fetch_timeout_s
+        self._destination_timeout_s = destination_timeout_s
+        self._staging_timeout_s = staging_timeout_s
+        self._close_timeout_s = close_timeout_s
+        self._decode: Callable[[DecodeMessage], None] | None = None
+        self._jobs: dict[int, _Job] = {}
+        self._tombstones: OrderedDict[int, int | None] = OrderedDict()
+        self._space = anyio.Event()
+        self._idle = anyio.Event()
+        self._compute = anyio.CapacityLimiter(1)
+        self._open = False
+        #: Drained-acks sent (each after its request's last write).
+        self.acks_sent = 0
+
+    # -- wiring ------------------------------------------------------------------------------
+
+    def connect(self, deliver: Callable[[DecodeMessage], None]) -> None:
+        """Where messages for the decode side go (synchronous, must not block)."""
+        self._decode = deliver
+
+    def deliver(self, message: PrefillMessage) -> None:
+        """A message from decode. Synchronous; never blocks."""
+        if isinstance(message, KVDestination):
+            job = self._jobs.get(message.room)
+            if job is None or job.request.rid != message.rid or job.aborted:
+                return
+            job.destination = message
+            job.destination_ready.set()
+            return
+        self._on_abort(message)
+
+    def _on_abort(self, message: AbortRequest) -> None:
+        job = self._jobs.get(message.room)
+        if job is None or job.request.rid != message.rid:
+            if message.generation is not None:
+                # Nothing of that request is in flight here: the drain is over already.
+                self._send(DrainedAck(message.room, self.rank, message.generation))
+                self.acks_sent += 1
+            else:
+                # It may not have started here yet: remember, bounded.
+                self._tombstones[message.room] = message.generation
+                while len(self._tombstones) > _TOMBSTONES:
+                    self._tombstones.popitem(last=False)
+            return
+        job.aborted = True
+        if message.generation is not None:
+            job.generation = message.generation
+        job.stop.set()
+        if not job.writing:
+            job.scope.cancel()
+
+    def _send(self, message: DecodeMessage) -> None:
+        if self._decode is None:
+            raise ServiceUnavailableError("the prefill worker is not connected to a decode worker")
+        self._decode(message)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def live(self) -> int:
+        """Requests running here right now."""
+        return len(self._jobs)
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[PrefillWorker]:
+        if self._open:
+            raise RuntimeError("a PrefillWorker is entered once at a time")
+        async with (
+            self.staging.registered(self.engine),
+            self.rows.registered(self.engine),
+        ):
+            self._open = True
+            try:
+                yield self
+            finally:
+                self._open = False
+                for job in list(self._jobs.values()):
+                    job.aborted = True
+                    job.stop.set()
+                    if not job.writing:
+                        job.scope.cancel()
+                if self._jobs:
+                    self._idle = anyio.Event()
+                    with anyio.move_on_after(self._close_timeout_s, shield=True):
+                        await self._idle.wait()
+
+    # -- one request -------------------------------------------------------------------------
+
+    async def prefill(self, request: PipelineRequest) -> PrefillReport:
+        """Run ``request`` through prefill and write its KV to decode. A checkpoint.
+
+        Returns once nothing of the request is being written any more: done, aborted by
+        decode (its drain acked), or failed (decode told). Cancelling the caller acts like an
+        abort from decode without a generation: decode is told the request failed.
+
+        :raises RequestNotActiveError: the room is in use by a running request.
+        :raises ServiceUnavailableError: the worker is not running.
+        """
+        await anyio.lowlevel.checkpoint()
+        if not self._open:
+            raise ServiceUnavailableError("the prefill worker is not running", req_id=request.rid)
+        room = request.room
+        if room in self._jobs:
+            raise RequestNotActiveError(f"room {room} is in use", req_id=request.rid)
+        job = _Job(request)
+        self._jobs[room] = job
+        if room in self._tombstones:
+            generation = self._tombstones.pop(room)
+            job.aborted = True
+            job.generation = generation
+            job.scope.cancel()
+        report = PrefillReport(request.rid, PrefillStatus.FAILED, "not run")
+        try:
+            report = await self._run(job)
+        finally:
+            # Synchronous from here: no write is in flight, and the ack goes out before any
+            # other abort for this room can be handled.
+            del self._jobs[room]
+            if job.aborted and job.generation is not None:
+                self._send(DrainedAck(room, self.rank, job.generation))
+                self.acks_sent += 1
+            elif report.status is PrefillStatus.FAILED:
+                self._send(TransferDone(request.rid, room, self.rank, ok=False, error=report.error))
+            if not self._jobs:
+                self._idle.set()
+        return report
+
+    async def _run(self, job: _Job) -> PrefillReport:
+        request = job.request
+        started = anyio.current_time()
+        times: dict[str, float] = {}
+        result: PrefillResult | None = None
+        image_tokens: tuple[int, ...] = ()
+        staged: _Staged | None = None
+        try:
+            with job.scope:
+                result, image_tokens = await self._embed_and_prefill(job, times)
+                staged = await self._stage(job, result)
+                self._send(BootstrapInfo(request.rid, request.room, result.seq_len, self.rank))
+                destination = await self._wait_destination(job)
+                self._check_destination(destination, staged)
+                # From here on an abort only stops the writer between pages.
+                job.writing = True
+            if job.aborted or staged is None or result is None:
+                return self._report(
+                    job, PrefillStatus.ABORTED, started, times, result, image_tokens
+                )
+            wrote_all = await run_thread_to_completion(self._write, job, staged, job.destination)
+            times["written"] = anyio.current_time()
+            if not wrote_all:
+                return self._report(
+                    job, PrefillStatus.ABORTED, started, times, result, image_tokens
+                )
+            self._send(TransferDone(request.rid, request.room, self.rank, ok=True))
+            return self._report(
+                job, PrefillStatus.DONE, started, times, result, image_tokens, staged.checksum
+            )
+        except EncdisaggError as exc:
+            if job.aborted:
+                return self._report(
+                    job, PrefillStatus.ABORTED, started, times, result, image_tokens
+                )
+            _log.warning("prefill of request %r failed: %s", request.rid, exc)
+            return self._report(
+                job, PrefillStatus.FAILED, started, times, result, image_tokens, error=str(exc)
+            )
+        finally:
+            job.writing = False
+            if staged is not None:
+                self._unstage(staged)
+
+    async def _embed_and_prefill(
+        self, job: _Job, times: dict[str, float]
+    ) -> tuple[PrefillResult, tuple[int, ...]]:
+        request = job.request
+        lm = self.lm
+        if not request.images:
+            ids = lm.prompt_ids(request.prompt, ())
+            result = await run_thread_to_completion(
+                lm.prefill, ids, None, (), limiter=self._compute
+            )
+            times["prefilled"] = anyio.current_time()
+            return result, ()
+        items: dict[Modality | str, Sequence[object]] = {Modality.IMAGE: request.images}
+        async with fetch_embeddings(
+            self.client, self.receiver, request.rid, items, timeout_s=self._fetch_timeout_s
+        ) as embeddings:
+            times["embedded"] = anyio.current_time()
+            images = embeddings.of(Modality.IMAGE)
+            if images is None:
+                raise InternalError(f"request {request.rid!r}: no image embeddings came back")
+            ids = lm.prompt_ids(request.prompt, images.token_counts)
+            # The thread copies the embeddings into the model's input: the landing memory is
+            # free again once this block ends.
+            result = await run_thread_to_completion(
+                lm.prefill, ids, images.tensor, images.grid, limiter=self._compute
+            )
+        times["prefilled"] = anyio.current_time()
+        return result, images.token_counts
+
+    async def _stage(self, job: _Job, result: PrefillResult) -> _Staged:
+        """Take staging pages and a row, and pack the KV into them (worker thread)."""
+        nbytes = result.seq_len * self.lm.kv_bytes_per_token
+        count = max(1, -(-nbytes // self.page_bytes))
+        if count > self.staging.num_pages:
+            raise BadRequestError(
+                f"request {job.request.rid!r}: {count} KV pages do not fit the "
+                f"{self.staging.num_pages} staging pages",
+                req_id=job.request.rid,
+            )
+        try:
+            with anyio.fail_after(self._staging_timeout_s):
+                while True:
+                    if self.staging.available() >= count and self.row_slots.available():
+                        pages = self.staging.alloc(count)
+                        row = self.row_slots.alloc()
+                        assert pages is not None
+                        assert row is not None
+                        break
+                    await self._space.wait()
+        except TimeoutError:
+            raise ServiceUnavailableError(
+                f"request {job.request.rid!r}: no staging pages within {self._staging_timeout_s} s",
+                req_id=job.request.rid,
+            ) from None
+        staged = _Staged(tuple(pages), row)
+        try:
+            staged.checksum = await run_thread_to_completion(self._pack, job, result, staged)
+        except BaseException:
+            self._unstage(staged)
+            raise
+        return staged
+
+    def _pack(self, job: _Job, result: PrefillResult, staged: _Staged) -> int:
+        blob = self.lm.pack_kv(result)
+        size = self.page_bytes
+        for index, page in enumerate(staged.pages):
+            view = self.staging.page(page)
+            view.zero_()
+            chunk = blob[index * size : (index + 1) * size]
+            view[: chunk.numel()] = chunk
+        checksum = self.staging.checksum(staged.pages)
+        self.rows.write(
+            staged.row,
+            room=job.request.room,
+            first_token_id=result.first_token,
+            cached_tokens=0,
+            checksum=checksum,
+        )
+        self.rows.rows[staged.row, ROPE_DELTA_WORD] = result.rope_delta
+        self.rows.rows[staged.row, SEQ_LEN_WORD] = result.seq_len
+        return checksum
+
+    def _unstage(self, staged: _Staged) -> None:
+        pages, staged.pages = staged.pages, ()
+        if pages:
+            self.staging.free(pages)
+        if staged.row >= 0:
+            row, staged.row = staged.row, -1
+            self.row_slots.free(row)
+        self._space.set()
+        self._space = anyio.Event()
+
+    async def _wait_destination(self, job: _Job) -> KVDestination:
+        try:
+            with anyio.fail_after(self._destination_timeout_s):
+                await job.destination_ready.wait()
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"request {job.request.rid!r}: decode gave no KV pages within "
+                f"{self._destination_timeout_s} s",
+                req_id=job.request.rid,
+            ) from None
+        assert job.destination is not None
+        return job.destination
+
+    def _check_destination(self, destination: KVDestination, staged: _Staged) -> None:
+        rid = destination.rid
+        if destination.page_bytes != self.page_bytes:
+            raise BadRequestError(
+                f"request {rid!r}: decode's pages are {destination.page_bytes} bytes, "
+                f"prefill's {self.page_bytes}",
+                req_id=rid,
+            )
+        if len(destination.page_addresses) != len(staged.pages):
+            raise BadRequestError(
+                f"request {rid!r}: decode gave {len(destination.page_addresses)} pages for "
+                f"{len(staged.pages)} pages of KV",
+                req_id=rid,
+            )
+        if destination.row_bytes != self.rows.row_bytes:
+            raise BadRequestError(f"request {rid!r}: metadata rows differ in size", req_id=rid)
+
+    def _write(self, job: _Job, staged: _Staged, destination: KVDestination | None) -> bool:
+        """Write the pages, then the metadata row (its room tag last). Worker thread.
+
+        Returns False if decode's abort stopped it (checked between writes).
+        """
+        assert destination is not None
+        engine = self.engine
+        session = destination.session_id
+        for page, address in zip(staged.pages, destination.page_addresses, strict=True):
+            if job.stop.is_set():
+                return False
+            engine.write(session, self.staging.page_address(page), address, self.page_bytes)
+        if job.stop.is_set():
+            return False
+        row = self.rows.row_address(staged.row)
+        tag = 8  # the room word leads the row
+        engine.write(session, row + tag, destination.row_address + tag, self.rows.row_bytes - tag)
+        engine.write(session, row, destination.row_address, tag)
+        return True
+
+    def _report(
+        self,
+        job: _Job,
+        status: PrefillStatus,
+        started: float,
+        times: dict[str, float],
+        result: PrefillResult | None,
+        image_tokens: tuple[int, ...],
+        checksum: int = 0,
+        *,
+        error: str = "",
+    ) -> PrefillReport:
+        return PrefillReport(
+            rid=job.request.rid,
+            status=status,
+            error=error or ("aborted by decode" if status is PrefillStatus.ABORTED else ""),
+            seq_len=0 if result is None else result.seq_len,
+            first_token=0 if result is None else result.first_token,
+            checksum=checksum,
+            image_tokens=image_tokens,
+            started_at=started,
+            embedded_at=times.get("embedded"),
+            prefilled_at=times.get("prefilled"),
+            written_at=times.get("written"),
+        )
