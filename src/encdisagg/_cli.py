@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"encdisagg {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(commands)
+    _add_demo(commands)
     return parser
 
 
@@ -67,6 +68,58 @@ def _serve(args: argparse.Namespace) -> int:
     from .server._command import run_serve
 
     return run_serve(args)
+
+
+# --- demo ----------------------------------------------------------------------------------
+
+
+def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="run an E->P->D pipeline on this machine and check it against a colocated run",
+        description=(
+            "Start encoder servers, a prefill and a decode worker, send requests with real "
+            "images, print time-to-first-token and time-per-output-token per request, and end "
+            "with a summary line: parity=ok when every request that was not aborted produced "
+            "the tokens of the same model run colocated (exit 0), else parity=FAILED naming "
+            "the request (exit 1)."
+        ),
+    )
+    parser.add_argument("--requests", type=int, metavar="K", help="requests to send (default 8)")
+    parser.add_argument(
+        "--transfer",
+        choices=("zmq", "mooncake"),
+        help="zmq: embeddings over ZMQ, KV over in-process engines; mooncake: Mooncake TCP for "
+        "both hops (default zmq)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="'tiny' (built in, the default) or a local full Qwen2-VL checkpoint folder",
+    )
+    parser.add_argument(
+        "--abort-rate",
+        type=float,
+        metavar="P",
+        help="chance that a request is aborted at a random decode phase (default 0)",
+    )
+    parser.add_argument("--new-tokens", type=int, metavar="N", help="tokens per request (8)")
+    parser.add_argument("--seed", type=int, help="seed of images, prompts and aborts (0)")
+    parser.add_argument("--encoders", type=int, help="encoder servers to start (2)")
+    parser.add_argument("--concurrency", type=int, help="requests in flight at once (4)")
+    parser.add_argument("--max-images", type=int, help="most images per request (3)")
+    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    parser.add_argument("--quiet", action="store_true", help="no per-request lines")
+    parser.add_argument(
+        "--log-level", default="warning", choices=("debug", "info", "warning", "error")
+    )
+    parser.set_defaults(handler=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .pipeline._command import run_demo_command
+
+    return run_demo_command(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,54 @@
+"""``encdisagg demo``: the parsed options to :class:`DemoOptions`, run, print, exit status."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import anyio
+
+from .._errors import BadRequestError
+from ._demo import DemoOptions, run_demo
+
+__all__ = ["run_demo_command"]
+
+#: Command-line option -> DemoOptions field (options left out keep DemoOptions' defaults).
+_FIELDS = {
+    "requests": "requests",
+    "transfer": "transfer",
+    "model": "model",
+    "abort_rate": "abort_rate",
+    "new_tokens": "new_tokens",
+    "seed": "seed",
+    "encoders": "encoders",
+    "concurrency": "concurrency",
+    "max_images": "max_images",
+}
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    """Run the demo; 0 if every check passed, 1 if one failed, 2 for bad options."""
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    values = {
+        field: getattr(args, option)
+        for option, field in _FIELDS.items()
+        if getattr(args, option, None) is not None
+    }
+    model = values.get("model", "tiny")
+    if model != "tiny" and not Path(model).expanduser().is_dir():
+        print(f"encdisagg demo: --model {model!r} is neither 'tiny' nor a folder", file=sys.stderr)
+        return 2
+    try:
+        options = DemoOptions(verbose=not args.quiet, **values)
+    except BadRequestError as exc:
+        print(f"encdisagg demo: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = anyio.run(run_demo, options, backend=args.backend)
+    except KeyboardInterrupt:
+        return 130
+    print(report.summary_line())
+    sys.stdout.flush()
+    return 0 if report.ok else 1
