@@ -314,6 +314,13 @@ def _http_error_response(exc: HTTPException, limit: int) -> Response:
     return _error_response(status, message, None)
 
 
+def _describe(exc: BaseException) -> str:
+    """``exc``'s message; for an exception group, its leaves' messages."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(inner) for inner in exc.exceptions)
+    return str(exc) or type(exc).__name__
+
+
 class _ServiceLifespan:
     """ASGI middleware: runs the app's lifespan inside ``service.open()``."""
 
@@ -359,10 +366,11 @@ class _ServiceLifespan:
                 await self._app(scope, inner_receive, inner_send)
         except Exception as exc:
             _log.exception("the encoder service failed")
+            message = f"encdisagg: {_describe(exc)}"
             if not started:
-                await send({"type": "lifespan.startup.failed", "message": f"encdisagg: {exc}"})
+                await send({"type": "lifespan.startup.failed", "message": message})
                 return
-            final = {"type": "lifespan.shutdown.failed", "message": f"encdisagg: {exc}"}
+            final = {"type": "lifespan.shutdown.failed", "message": message}
         await send(final or {"type": "lifespan.shutdown.complete"})
 
 

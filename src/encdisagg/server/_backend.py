@@ -12,7 +12,7 @@ import itertools
 import logging
 import secrets
 from collections.abc import AsyncGenerator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -151,16 +151,15 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[LocalBackend]:
-        async with ServiceTaskGroup("health probes", logger=_log) as group:
-            self._group = group
-            try:
-                if self.encoder.is_open:
+        async with AsyncExitStack() as stack:
+            if not self.encoder.is_open:
+                await stack.enter_async_context(self.encoder)
+            async with ServiceTaskGroup("health probes", logger=_log) as group:
+                self._group = group
+                try:
                     yield self
-                else:
-                    async with self.encoder:
-                        yield self
-            finally:
-                self._group = None
+                finally:
+                    self._group = None
 
     # -- the routes' calls ---------------------------------------------------------------------
 

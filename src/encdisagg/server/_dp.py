@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +137,16 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
       request.
     - A worker that exits fails its unanswered calls with 503; calls for the requests it
       held answer 503; ``/health`` answers 503 until the service restarts.
+
+    ``async with`` starts the workers and returns once each reported ready (its Encoder is
+    open); leaving stops them (see the module docstring).
+
+    :param config: each worker's Encoder configuration.
+    :param workers: how many worker processes.
+    :param settings: start/stop bounds, health probe bound, workers' event loop and log level.
+    :param worker_command: the command that starts one worker, to which the front appends
+        the worker's options (default: this interpreter running
+        ``encdisagg.server._worker``). A wrapper (``taskset``, ``numactl``...) may precede it.
     """
 
     def __init__(
@@ -145,6 +155,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         *,
         workers: int,
         settings: ServerSettings | None = None,
+        worker_command: Sequence[str] | None = None,
     ) -> None:
         from ._app import ServerSettings
 
@@ -153,6 +164,11 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         self.config = config
         self.settings = settings or ServerSettings(dp=workers)
         self._size = workers
+        self._worker_command = (
+            list(worker_command)
+            if worker_command is not None
+            else [sys.executable, "-m", "encdisagg.server._worker"]
+        )
         self._workers: list[_Worker] = []
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
@@ -220,9 +236,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     ) -> None:
         settings = self.settings
         command = [
-            sys.executable,
-            "-m",
-            "encdisagg.server._worker",
+            *self._worker_command,
             "--rank",
             str(worker.rank),
             "--work",
