@@ -1,0 +1,163 @@
+"""The prefill and decode workers over real Loopback engines: parity, aborts that arrive
+mid-write, lost drained-acks, corruption in flight, failures upstream."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from encdisagg.pipeline import (
+    DecodePhase,
+    DecodeStatus,
+    DrainedAck,
+    LanguageModel,
+    PipelineRequest,
+    PrefillReport,
+    PrefillStatus,
+)
+from encdisagg.pipeline._messages import DecodeMessage
+
+from .conftest import wait_for, wired
+
+pytestmark = pytest.mark.anyio
+
+#: 44 prompt tokens: three 16-token KV pages.
+PROMPT = "Tell me a story about a tiny language model."
+
+
+def request(
+    rid: str = "r", room: int = 1, *, images: tuple[str, ...] = (), tokens: int = 6
+) -> PipelineRequest:
+    return PipelineRequest(rid, room, PROMPT, images, tokens)
+
+
+async def test_a_text_request_matches_the_colocated_model(reference_lm: LanguageModel) -> None:
+    async with wired(reference_lm) as w:
+        handle = w.decode.admit("r", 1, max_new_tokens=6)
+        report = await w.prefill.prefill(request())
+        result = await handle.wait()
+    assert report.status is PrefillStatus.DONE
+    assert report.seq_len == len(PROMPT) + 1
+    assert result.status is DecodeStatus.COMPLETED
+    assert list(result.tokens) == reference_lm.generate_colocated(PROMPT, [], max_new_tokens=6)
+    assert result.checksum == report.checksum != 0
+    assert w.engine.writes == 3 + 2  # three pages, then the row's body and its tag
+
+
+async def test_an_abort_mid_write_holds_the_pages_until_prefill_acks_the_drain(
+    reference_lm: LanguageModel,
+) -> None:
+    async with wired(reference_lm) as w:
+        w.engine.gate.clear()
+        handle = w.decode.admit("r", 1, max_new_tokens=6)
+        reports: list[PrefillReport] = []
+        async with anyio.create_task_group() as group:
+
+            async def run() -> None:
+                reports.append(await w.prefill.prefill(request()))
+
+            group.start_soon(run)
+            await wait_for(w.engine.waiting)  # the first page write is in flight
+            w.decode.abort("r")
+            result = await handle.wait()
+            assert result.status is DecodeStatus.ABORTED
+            stats = w.decode.stats()
+            # Aborted, yet its pages and slot stay taken: a write may still land.
+            assert stats.held == 1
+            assert stats.pages_free == stats.pages_total - 3
+            assert stats.slots_free == stats.slots_total - 1
+            w.engine.gate.set()
+        assert reports[0].status is PrefillStatus.ABORTED
+        # The writer stopped between pages, and only then acked.
+        assert w.engine.writes == 1
+        with anyio.fail_after(10):
+            await w.decode.wait_idle()
+        stats = w.decode.stats()
+        assert (stats.held_releases, stats.drained_releases, stats.timed_out_releases) == (1, 1, 0)
+        assert stats.pages_free == stats.pages_total
+
+
+@pytest.mark.virtual_time
+async def test_without_the_drained_ack_the_pages_wait_for_the_timeout(
+    reference_lm: LanguageModel,
+) -> None:
+    async with wired(reference_lm, release_timeout_s=30.0) as w:
+
+        def drop_acks(message: DecodeMessage) -> bool:
+            return not isinstance(message, DrainedAck)
+
+        w.to_decode = drop_acks
+        w.engine.gate.clear()
+        handle = w.decode.admit("r", 1, max_new_tokens=6)
+        async with anyio.create_task_group() as group:
+            group.start_soon(w.prefill.prefill, request())
+            await wait_for(w.engine.waiting)
+            w.decode.abort("r")
+            aborted_at = anyio.current_time()
+            assert (await handle.wait()).status is DecodeStatus.ABORTED
+            w.engine.gate.set()
+        with anyio.fail_after(60):
+            await w.decode.wait_idle()
+        assert anyio.current_time() - aborted_at == pytest.approx(30.0, abs=1.0)
+        stats = w.decode.stats()
+        assert (stats.drained_releases, stats.timed_out_releases) == (0, 1)
+        assert w.prefill.acks_sent == 1  # it was sent; the test lost it
+
+
+async def test_kv_corrupted_in_flight_is_caught_by_the_checksum(
+    reference_lm: LanguageModel,
+) -> None:
+    async with wired(reference_lm) as w:
+        w.engine.corrupt_size = w.decode.page_bytes
+        handle = w.decode.admit("r", 1, max_new_tokens=6)
+        report = await w.prefill.prefill(request())
+        result = await handle.wait()
+        assert report.status is PrefillStatus.DONE
+        assert result.status is DecodeStatus.FAILED
+        assert "not its own" in result.error
+        assert w.decode.stats().corrupt == 1
+
+
+async def test_an_encoder_failure_fails_the_request_on_both_sides(
+    reference_lm: LanguageModel,
+) -> None:
+    async with wired(reference_lm, encoder_urls=("http://127.0.0.1:9",)) as w:
+        handle = w.decode.admit("r", 1, max_new_tokens=6)
+        report = await w.prefill.prefill(request(images=("data:image/png;base64,AAAA",)))
+        result = await handle.wait()
+    assert report.status is PrefillStatus.FAILED
+    assert "encoder http://127.0.0.1:9 could not be reached" in report.error
+    assert result.status is DecodeStatus.FAILED
+    assert result.error == report.error
+
+
+async def test_an_abort_before_prefill_starts_is_remembered(reference_lm: LanguageModel) -> None:
+    async with wired(reference_lm) as w:
+        handle = w.decode.admit("r", 1, max_new_tokens=6)
+        w.decode.abort("r")
+        assert (await handle.wait()).status is DecodeStatus.ABORTED
+        report = await w.prefill.prefill(request())
+        assert report.status is PrefillStatus.ABORTED
+        assert w.engine.writes == 0
+
+
+async def test_an_abort_while_decoding_stops_between_tokens(reference_lm: LanguageModel) -> None:
+    async with wired(reference_lm) as w:
+        handle = w.decode.admit("r", 1, max_new_tokens=10_000)
+        async with anyio.create_task_group() as group:
+            group.start_soon(w.prefill.prefill, request())
+            assert await w.decode.wait_phase("r", DecodePhase.DECODING) is DecodePhase.DECODING
+            w.decode.abort("r")
+            result = await handle.wait()
+        assert result.status is DecodeStatus.ABORTED
+        assert 1 <= len(result.tokens) < 10_000
+
+
+async def test_a_prompt_larger_than_the_pages_fails_cleanly(reference_lm: LanguageModel) -> None:
+    async with wired(reference_lm) as w:
+        handle = w.decode.admit("r", 1, max_new_tokens=6)
+        report = await w.prefill.prefill(PipelineRequest("r", 1, "x" * 1100, (), 6))
+        result = await handle.wait()
+    assert report.status is PrefillStatus.FAILED
+    assert "do not fit" in report.error
+    assert result.status is DecodeStatus.FAILED
