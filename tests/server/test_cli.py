@@ -98,6 +98,10 @@ def test_argparse_rejects_non_numbers(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--port" in capsys.readouterr().err
 
 
+async def scrape(client: httpx.AsyncClient) -> str:
+    return (await client.get("/metrics")).text
+
+
 @pytest.mark.anyio
 async def test_serve_subprocess_end_to_end(anyio_backend_name: str) -> None:
     """``python -m encdisagg serve --port 0`` on the tiny model, driven over HTTP, pushing
@@ -174,9 +178,10 @@ async def test_serve_subprocess_end_to_end(anyio_backend_name: str) -> None:
             assert pushed.tensor is not None
             assert torch.isfinite(pushed.tensor).all()
 
-            metrics = (await client.get("/metrics")).text
-            assert 'encdisagg_requests_total{modality="image",status="ok"}' in metrics
-            assert "encdisagg_live_requests 0.0" in metrics
+            with anyio.fail_after(10):  # the last push's release may trail its arrival
+                while "encdisagg_live_requests 0.0" not in (metrics := await scrape(client)):
+                    await anyio.sleep(0.05)
+            assert 'encdisagg_requests_total{modality="image",status="ok"} 2.0' in metrics
 
         process.send_signal(signal.SIGTERM)
         with anyio.fail_after(20):

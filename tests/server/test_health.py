@@ -132,3 +132,7 @@ async def test_health_probe_of_the_real_model(make_app: Callable[..., Quart]) ->
         assert response.status_code == 200
         await client.post("/release", json={"req_id": "real"})
         assert (await client.get("/health")).status_code == 200
+        text = (await (await client.get("/metrics")).get_data()).decode()
+    # Probes are not client requests.
+    assert 'encdisagg_requests_total{modality="image",status="ok"} 1.0' in text
+    assert "encdisagg_request_seconds_count 1.0" in text

@@ -207,7 +207,8 @@ async def test_send_mooncake_without_engine_is_a_transfer_error(
 
 
 async def test_unknown_and_duplicate_ids(make_app: Callable[..., Quart]) -> None:
-    async with running(make_app(fast_config(request_timeout_s=0.3))) as client:
+    config = fast_config(request_timeout_s=0.3, zmq_send_timeout_s=0.3)
+    async with running(make_app(config)) as client:
         response = await client.post("/send", json={"req_id": "ghost", "receive_url": "tcp://x:1"})
         assert response.status_code == 404
         assert (await response.get_json())["req_id"] == "ghost"

@@ -11,8 +11,8 @@ import io
 import itertools
 import logging
 import secrets
-from collections.abc import AsyncGenerator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,7 +25,7 @@ from ..encoder import Encoder, EncodeRequest, EncodeResult
 from ..models import NullVisionModel, VisionModel
 from ..nurseries import ServiceTaskGroup, run_thread_to_completion
 from ._messages import EncodeBody, MetadataBody, ReceiveUrlBody, SendBody
-from ._metrics import EncoderMetrics, ServiceSnapshot
+from ._metrics import PROBING, EncoderMetrics, ServiceSnapshot
 
 __all__ = ["Backend", "HealthReport", "LocalBackend", "server_model"]
 
@@ -87,6 +87,31 @@ class Backend(Protocol):
     async def snapshot(self) -> ServiceSnapshot: ...
 
 
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for inner in group.exceptions:
+        leaves.extend(_leaves(inner) if isinstance(inner, BaseExceptionGroup) else [inner])
+    return leaves
+
+
+@contextmanager
+def single_errors() -> Iterator[None]:
+    """Let an exception group holding exactly one error leave as that error.
+
+    Task groups wrap whatever crosses them (also an error raised in the ``async with``
+    body of a context manager that yields inside one); at the backends' boundary a lone
+    error is unwrapped, so callers catch what was raised. Groups of several errors, or
+    holding a cancellation, pass unchanged.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        if len(leaves) == 1 and isinstance(leaves[0], Exception):
+            raise leaves[0] from None
+        raise
+
+
 def _probe_png(index: int) -> str:
     """A tiny PNG data URL whose pixels differ per probe, so no cache can answer it."""
     import base64
@@ -116,8 +141,10 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
     """Serves the routes with one Encoder in this process.
 
     ``async with LocalBackend(config_or_encoder) as backend:`` opens the Encoder, unless it
-    was given already open (then its owner closes it). Built from a config, the Encoder gets
-    ``metrics.events()`` and the server-only model names (``"null"``) are honoured.
+    was given already open (then its owner closes it). A lone error raised in the block (or
+    by the Encoder) leaves it as itself, not wrapped in an exception group. Built from a
+    config, the Encoder gets ``metrics.events()`` and the server-only model names
+    (``"null"``) are honoured.
 
     :param health_timeout_s: the bound on one probe encode.
     """
@@ -151,15 +178,16 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[LocalBackend]:
-        async with AsyncExitStack() as stack:
-            if not self.encoder.is_open:
-                await stack.enter_async_context(self.encoder)
-            async with ServiceTaskGroup("health probes", logger=_log) as group:
-                self._group = group
-                try:
-                    yield self
-                finally:
-                    self._group = None
+        with single_errors():
+            async with AsyncExitStack() as stack:
+                if not self.encoder.is_open:
+                    await stack.enter_async_context(self.encoder)
+                async with ServiceTaskGroup("health probes", logger=_log) as group:
+                    self._group = group
+                    try:
+                        yield self
+                    finally:
+                        self._group = None
 
     # -- the routes' calls ---------------------------------------------------------------------
 
@@ -237,6 +265,7 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
     async def _run_probe(self, probe: _Probe) -> None:
         index = next(self._probes)
         req_id = f"{self._probe_prefix}-{index}"
+        PROBING.set(True)  # this task is the probe's own
         try:
             item = await run_thread_to_completion(_probe_png, index)
             with anyio.fail_after(self._health_timeout_s):

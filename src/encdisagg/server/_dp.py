@@ -50,7 +50,7 @@ from .._errors import (
 )
 from ..encoder import EncodeResult
 from ..nurseries import KeyedRendezvous, ServiceTaskGroup, run_thread_to_completion
-from ._backend import HealthReport
+from ._backend import HealthReport, single_errors
 from ._ipc import (
     ControlMessage,
     IpcSocket,
@@ -79,7 +79,7 @@ _log = logging.getLogger("encdisagg.server.dp")
 _ROUTE_LIMIT: Final = 100_000
 #: Bound on a ``stats`` call to one worker (for /metrics).
 _STATS_TIMEOUT_S: Final = 5.0
-#: Bound on each escalation step (SIGTERM, SIGKILL) once a stop message was ignored.
+#: Most time each escalation step (SIGTERM, SIGKILL) waits once a stop message was ignored.
 _KILL_STEP_S: Final = 5.0
 
 
@@ -139,7 +139,8 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
       held answer 503; ``/health`` answers 503 until the service restarts.
 
     ``async with`` starts the workers and returns once each reported ready (its Encoder is
-    open); leaving stops them (see the module docstring).
+    open); leaving stops them (see the module docstring). A lone error raised in the block
+    (or while starting) leaves it as itself, not wrapped in an exception group.
 
     :param config: each worker's Encoder configuration.
     :param workers: how many worker processes.
@@ -190,6 +191,12 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[DataParallelBackend]:
+        with single_errors():
+            async with self._run():
+                yield self
+
+    @asynccontextmanager
+    async def _run(self) -> AsyncGenerator[None]:
         backend_name = self.settings.worker_backend or sniffio.current_async_library()
         directory = Path(tempfile.mkdtemp(prefix="encdisagg-dp-"))
         context: zmq.Context[Any] = zmq.Context()
@@ -213,7 +220,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                     for worker in self._workers:
                         await self._spawn(worker, directory, config_file, backend_name, group)
                     await self._wait_ready()
-                    yield self
+                    yield
                 finally:
                     await self._stop_workers()
         finally:
@@ -328,10 +335,11 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
             for worker in running:
                 if not worker.exited.is_set():
                     worker.control.send_nowait(ControlMessage("stop").to_wire())
+            step_s = min(_KILL_STEP_S, self._stop_timeout_s)
             for step, timeout in (
                 (None, self._stop_timeout_s),
-                (signal.SIGTERM, _KILL_STEP_S),
-                (signal.SIGKILL, _KILL_STEP_S),
+                (signal.SIGTERM, step_s),
+                (signal.SIGKILL, step_s),
             ):
                 left = [w for w in running if not w.exited.is_set()]
                 if not left:

@@ -90,9 +90,8 @@ def unpack(data: bytes) -> dict[str, Any]:
     :raises MalformedMessage: if ``data`` is not one msgpack map with string keys.
     """
     try:
-        value = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_buffer_size=MAX_MESSAGE_BYTES
-        )
+        # Sizes are bounded by ZMQ_MAXMSGSIZE on the receiving socket.
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises ValueError, ExtraData, FormatError, ...
         raise MalformedMessage(f"not a msgpack message: {exc!r}") from exc
     if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):

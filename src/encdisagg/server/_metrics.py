@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -93,6 +94,11 @@ _CACHE_COUNTERS: Final = {
 }
 
 
+#: Set in a health probe's task (and inherited by the tasks it starts): its encode is not a
+#: client's request and stays out of the request metrics.
+PROBING: ContextVar[bool] = ContextVar("encdisagg_health_probe", default=False)
+
+
 @dataclass
 class _Histogram:
     # counts[i] holds observations <= LATENCY_BUCKETS[i] (and above the previous bound);
@@ -119,6 +125,8 @@ class EncoderMetrics:
     """Counters fed by one Encoder's events; cheap enough for the event loop.
 
     Pass :meth:`events` to the Encoder: ``Encoder(config, events=metrics.events())``.
+    Health probes are left out (see :data:`PROBING`); the batched forward a probe shares
+    with client requests still counts.
     """
 
     def __init__(self) -> None:
@@ -130,11 +138,15 @@ class EncoderMetrics:
         return EncoderEvents(on_request_done=self._request_done, on_phase=self._phase)
 
     def _request_done(self, modality: str, status: str, seconds: float) -> None:
+        if PROBING.get():
+            return
         key = (modality, status)
         self._requests[key] = self._requests.get(key, 0) + 1
         self._histograms["request"].observe(seconds)
 
     def _phase(self, phase: str, seconds: float) -> None:
+        if PROBING.get():
+            return
         key = _PHASES.get(phase)
         if key is not None:
             self._histograms[key].observe(seconds)
