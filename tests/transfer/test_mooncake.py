@@ -120,7 +120,7 @@ class FakeMooncake:
         if self.block_initialize is not None:
             started, release = self.block_initialize
             started.set()
-            release.wait()
+            release.wait(timeout=60)
         return self._rc("initialize", hostname, metadata, protocol, device)
 
     def get_rpc_port(self) -> int:
@@ -203,7 +203,11 @@ async def test_a_cancelled_start_still_stops_what_it_started(fake: FakeMooncake)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(enter)
-        await anyio.to_thread.run_sync(started.wait)
+        # Polled rather than waited for in a second worker thread: the test should not
+        # depend on the thread pool while one of its threads is deliberately blocked.
+        with anyio.fail_after(30):
+            while not started.is_set():
+                await anyio.sleep(0.001)
         # Cancelled while the worker thread initializes; the thread still runs to its end.
         tg.cancel_scope.cancel()
         release.set()
