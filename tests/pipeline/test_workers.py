@@ -70,6 +70,8 @@ async def test_an_abort_mid_write_holds_the_pages_until_prefill_acks_the_drain(
         assert reports[0].status is PrefillStatus.ABORTED
         # The writer stopped between pages, and only then acked.
         assert w.engine.writes == 1
+        prefill_stats = w.prefill.stats()
+        assert (prefill_stats.writes_stopped, prefill_stats.acks_sent) == (1, 1)
         with anyio.fail_after(10):
             await w.decode.wait_idle()
         stats = w.decode.stats()

@@ -41,6 +41,7 @@ from ._messages import (
 from ._prefill import (
     PipelineRequest as PipelineRequest,
     PrefillReport as PrefillReport,
+    PrefillStats as PrefillStats,
     PrefillStatus as PrefillStatus,
     PrefillWorker as PrefillWorker,
 )
@@ -53,6 +54,7 @@ __all__ = (
     "PipelineRequest",
     "PrefillWorker",
     "PrefillReport",
+    "PrefillStats",
     "PrefillStatus",
     "DecodeWorker",
     "DecodeHandle",

@@ -31,7 +31,13 @@ from ..receiver import EmbeddingReceiver, EncoderClient
 from ._decode import DecodePhase, DecodeResult, DecodeStats, DecodeStatus, DecodeWorker
 from ._images import DemoImage, demo_images
 from ._lm import LanguageModel
-from ._prefill import PipelineRequest, PrefillReport, PrefillStatus, PrefillWorker
+from ._prefill import (
+    PipelineRequest,
+    PrefillReport,
+    PrefillStats,
+    PrefillStatus,
+    PrefillWorker,
+)
 from ._progress import ProgressBar
 from ._serve import serve_asgi
 
@@ -133,6 +139,7 @@ class DemoReport:
     options: DemoOptions
     outcomes: tuple[RequestOutcome, ...]
     decode: DecodeStats
+    prefill: PrefillStats
     #: Pages and rows of prefill's staging memory not back at the end.
     leaked_staging: int
     #: Landing pages still in use (or quarantined) at the end.
@@ -201,6 +208,7 @@ class DemoReport:
             f"encoders={self.options.encoders}",
             f"ttft_p50={_ms(_median(ttfts))}",
             f"tpot_p50={_ms(_median(tpots))}",
+            f"writes_stopped={self.prefill.writes_stopped}",
             f"held_releases={self.decode.held_releases}",
             f"drained={self.decode.drained_releases}",
             f"timed_out={self.decode.timed_out_releases}",
@@ -371,8 +379,9 @@ async def run_demo(
             await decode.wait_idle()
         encoder_live = await _settle_encoders(encoders)
         decode_stats = decode.stats()
-        leaked_staging = (prefill.staging.num_pages - prefill.staging.available()) + (
-            prefill.rows.size - prefill.row_slots.available()
+        prefill_stats = prefill.stats()
+        leaked_staging = (prefill_stats.staging_pages - prefill_stats.staging_pages_free) + (
+            prefill_stats.staging_rows - prefill_stats.staging_rows_free
         )
         receiver_stats = receiver.stats()
         leaked_landing = receiver_stats.landing_pages_in_use + receiver_stats.quarantined_pages
@@ -386,6 +395,7 @@ async def run_demo(
         options=options,
         outcomes=tuple(outcomes),
         decode=decode_stats,
+        prefill=prefill_stats,
         leaked_staging=leaked_staging,
         leaked_landing=leaked_landing,
         encoder_live=encoder_live,

@@ -57,7 +57,13 @@ from ._messages import (
 if TYPE_CHECKING:
     from ..transfer import TransferEngine
 
-__all__ = ["PipelineRequest", "PrefillReport", "PrefillStatus", "PrefillWorker"]
+__all__ = [
+    "PipelineRequest",
+    "PrefillReport",
+    "PrefillStats",
+    "PrefillStatus",
+    "PrefillWorker",
+]
 
 _log = logging.getLogger("encdisagg.pipeline")
 
@@ -103,6 +109,25 @@ class PrefillReport:
     embedded_at: float | None = None
     prefilled_at: float | None = None
     written_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStats:
+    """A snapshot of the worker. ``live`` is zero and the free counts equal their totals
+    when it is idle."""
+
+    live: int
+    done: int
+    aborted: int
+    failed: int
+    #: Aborts that found the write thread running: it stopped between pages.
+    writes_stopped: int
+    #: Drained-acks sent, each after its request's last write returned.
+    acks_sent: int
+    staging_pages_free: int
+    staging_pages: int
+    staging_rows_free: int
+    staging_rows: int
 
 
 @dataclass(eq=False)
@@ -187,6 +212,8 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
         self._open = False
         #: Drained-acks sent (each after its request's last write).
         self.acks_sent = 0
+        self._counts = dict.fromkeys(PrefillStatus, 0)
+        self._writes_stopped = 0
 
     # -- wiring ------------------------------------------------------------------------------
 
@@ -236,6 +263,20 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
     def live(self) -> int:
         """Requests running here right now."""
         return len(self._jobs)
+
+    def stats(self) -> PrefillStats:
+        return PrefillStats(
+            live=len(self._jobs),
+            done=self._counts[PrefillStatus.DONE],
+            aborted=self._counts[PrefillStatus.ABORTED],
+            failed=self._counts[PrefillStatus.FAILED],
+            writes_stopped=self._writes_stopped,
+            acks_sent=self.acks_sent,
+            staging_pages_free=self.staging.available(),
+            staging_pages=self.staging.num_pages,
+            staging_rows_free=self.row_slots.available(),
+            staging_rows=self.rows.size,
+        )
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[PrefillWorker]:
@@ -297,6 +338,7 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
                 self.acks_sent += 1
             elif report.status is PrefillStatus.FAILED:
                 self._send(TransferDone(request.rid, room, self.rank, ok=False, error=report.error))
+            self._counts[report.status] += 1
             if not self._jobs:
                 self._idle.set()
         return report
@@ -324,6 +366,7 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
             wrote_all = await run_thread_to_completion(self._write, job, staged, job.destination)
             times["written"] = anyio.current_time()
             if not wrote_all:
+                self._writes_stopped += 1
                 return self._report(
                     job, PrefillStatus.ABORTED, started, times, result, image_tokens
                 )
