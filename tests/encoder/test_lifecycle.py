@@ -311,6 +311,30 @@ async def test_release_wakes_metadata_waiters_of_a_failed_encode(make_encoder: M
             await encoder.wait_metadata("r1")
 
 
+async def test_a_failing_error_publish_keeps_the_original_error(
+    make_encoder: MakeEncoder,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with make_encoder() as encoder:
+        publish = encoder._outcomes.publish
+
+        def broken_publish(key: str, value: object) -> None:
+            if isinstance(value, Exception):
+                raise RuntimeError("metadata store is down")
+            publish(key, value)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(encoder._outcomes, "publish", broken_publish)
+        with (
+            caplog.at_level(logging.ERROR, logger="encdisagg.encoder"),
+            pytest.raises(BadRequestError, match="cannot decode"),
+        ):
+            await encoder.encode(request("r1", "bad"))
+        assert "publishing the error of req_id 'r1' failed" in caplog.text
+        # Still released.
+        assert encoder.stats().live_requests == 0
+
+
 # -- rule 7: freed only after n distinct destinations; retries count once ------------------
 
 

@@ -377,7 +377,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
         req.error = error
         try:
             self._outcomes.publish(req.req_id, error)
-        except Exception:  # pragma: no cover - publishing is a dict update
+        except Exception:
             _log.exception("publishing the error of req_id %r failed", req.req_id)
         req.staged.set()
         if req.scope is not None:
