@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import anyio
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from encdisagg import InternalError, TransferError
-from encdisagg.receiver import LandingPool
+from encdisagg import BadRequestError, InternalError, ServiceUnavailableError, TransferError
+from encdisagg.receiver import (
+    EmbeddingReceiver,
+    EncoderClient,
+    LandingPool,
+    MooncakeSendTarget,
+    PartMetadata,
+)
 from encdisagg.transfer import LoopbackEngine, LoopbackFabric
-
-pytestmark = pytest.mark.filterwarnings("error")
 
 
 def test_runs_are_first_fit_and_consecutive() -> None:
@@ -92,3 +97,113 @@ async def test_registered_for_the_block_only() -> None:
         assert receiver.registered_regions() == 0
         with pytest.raises(TransferError):
             writer.write(receiver.session_id, source.data_ptr(), pool.ptr, 8)
+
+
+def _metadata(req_id: str) -> PartMetadata:
+    # 2 tokens x 64 float32 = 512 bytes: two 256-byte landing pages.
+    return PartMetadata(
+        req_id=req_id,
+        part_idx=0,
+        embedding_size=512,
+        embedding_len=2,
+        embedding_dim=64,
+        token_counts=(2,),
+        grid=((1, 2, 4),),
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.virtual_time
+async def test_parts_wait_for_landing_pages_and_quarantine_holds_unconfirmed_ones() -> None:
+    client = EncoderClient(["http://e0"])
+    async with (
+        LoopbackEngine() as engine,
+        EmbeddingReceiver(
+            transport="mooncake",
+            hidden_size=64,
+            dtype=torch.float32,
+            engine=engine,
+            landing_pages=2,
+            page_bytes=256,
+            alloc_timeout_s=10.0,
+            quarantine_s=60.0,
+        ) as receiver,
+    ):
+        got: list[float] = []
+
+        async def second() -> None:
+            async with receiver.expect(client.plan("b", {"image": ["x"]})) as pending:
+                pending.note_metadata(_metadata("b#0"))
+                target = await pending.target(0)
+                got.append(anyio.current_time())
+                assert isinstance(target, MooncakeSendTarget)
+                assert target.buffer_address == receiver.pool.ptr
+                pending.note_sent(0)
+
+        async with anyio.create_task_group() as group:
+            async with receiver.expect(client.plan("a", {"image": ["x"]})) as pending:
+                pending.note_metadata(_metadata("a#0"))
+                await pending.target(0)
+                group.start_soon(second)
+                await anyio.sleep(5.0)
+                assert got == []  # b waits: a holds every page
+                pending.note_sent(0)  # a's write is over: its pages may be reused
+            start = anyio.current_time()
+        assert got == [pytest.approx(start, abs=0.1)]
+
+        # A target whose write was never confirmed over is quarantined when its request ends.
+        async with receiver.expect(client.plan("c", {"image": ["x"]})) as pending:
+            pending.note_metadata(_metadata("c#0"))
+            await pending.target(0)
+        assert receiver.stats().quarantined_pages == 2
+        async with receiver.expect(client.plan("d", {"image": ["x"]})) as pending:
+            pending.note_metadata(_metadata("d#0"))
+            with pytest.raises(ServiceUnavailableError, match=r"within 10\.0 s"):
+                await pending.target(0)
+        # Once the quarantine is over, the pages come back.
+        await anyio.sleep(60.0)
+        async with receiver.expect(client.plan("e", {"image": ["x"]})) as pending:
+            pending.note_metadata(_metadata("e#0"))
+            await pending.target(0)
+            pending.note_sent(0)
+        stats = receiver.stats()
+        assert (stats.quarantined_pages, stats.landing_pages_in_use, stats.live_requests) == (
+            0,
+            0,
+            0,
+        )
+
+
+@pytest.mark.anyio
+async def test_a_confirmed_release_frees_a_targeted_run() -> None:
+    client = EncoderClient(["http://e0"])
+    async with (
+        LoopbackEngine() as engine,
+        EmbeddingReceiver(
+            transport="mooncake",
+            hidden_size=64,
+            dtype=torch.float32,
+            engine=engine,
+            landing_pages=2,
+            page_bytes=256,
+        ) as receiver,
+    ):
+        async with receiver.expect(client.plan("a", {"image": ["x"]})) as pending:
+            pending.note_metadata(_metadata("a#0"))
+            await pending.target(0)
+            pending.confirm_stopped({"a#0"})
+        assert receiver.stats().quarantined_pages == 0
+        assert receiver.pool.available() == 2
+        with pytest.raises(BadRequestError, match="embedding_size is 100 bytes"):
+            async with receiver.expect(client.plan("b", {"image": ["x"]})) as pending:
+                pending.note_metadata(
+                    PartMetadata(
+                        req_id="b#0",
+                        part_idx=0,
+                        embedding_size=100,
+                        embedding_len=2,
+                        embedding_dim=64,
+                        token_counts=(2,),
+                        grid=((1, 2, 4),),
+                    )
+                )

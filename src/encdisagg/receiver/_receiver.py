@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -649,7 +648,8 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
                     f"{self._alloc_timeout_s} s",
                     req_id=rid,
                 )
-            wake = min(deadline, pool.next_reclaim() or math.inf)
+            reclaim = pool.next_reclaim()
+            wake = deadline if reclaim is None else min(deadline, reclaim)
             with anyio.move_on_after(max(0.0, wake - now)):
                 await self._space.wait()
 
