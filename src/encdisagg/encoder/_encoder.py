@@ -20,7 +20,7 @@ import enum
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +39,17 @@ from .._errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
     TransferError,
+)
+from ..cache import (
+    CachedItem,
+    GlobalCache,
+    GlobalCacheStats,
+    ItemPlan,
+    KeySpace,
+    Origin,
+    ensure_mooncake_store,
+    parse_global_cache_url,
+    relabel_items,
 )
 from ..models import Preprocessed, VisionModel, load_model
 from ..nurseries import (
@@ -155,6 +166,9 @@ class EncoderEvents:
     on_request_done: Callable[[str, str, float], None] | None = None  # modality, status, seconds
     on_phase: Callable[[str, float], None] | None = None  # phase name, seconds
     on_cache: Callable[[str], None] | None = None  # "hit" | "miss" | "eviction" | "invalid"
+    #: Global cache counters, ``(event, items)``: see :class:`~encdisagg.cache.GlobalCache`.
+    on_global_cache: Callable[[str, int], None] | None = None
+    on_breaker: Callable[[str], None] | None = None  # "closed" | "open" | "half_open"
 
 
 def _error_copy(error: EncdisaggError) -> EncdisaggError:
@@ -211,6 +225,9 @@ class Encoder(anyio.AsyncContextManagerMixin):
         self._batcher: Batcher | None = None
         self._zmq: ZmqPushPool | None = None
         self._request_group: ServiceTaskGroup | None = None
+        # The global tier and its keys, when config.global_cache is set (while open).
+        self._global: GlobalCache | None = None
+        self._keys: KeySpace | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -220,6 +237,13 @@ class Encoder(anyio.AsyncContextManagerMixin):
             raise RuntimeError("an Encoder can be opened only once")
         self._entered = True
         config = self.config
+        global_settings = None
+        if config.global_cache is not None:
+            # Before the model loads: a bad URL fails fast.
+            global_settings = parse_global_cache_url(
+                config.global_cache, default_host=config.mooncake_host
+            )
+            await run_thread_to_completion(ensure_mooncake_store)
         async with AsyncExitStack() as stack:
             if self._model is None:
                 self._model = await run_thread_to_completion(
@@ -234,6 +258,20 @@ class Encoder(anyio.AsyncContextManagerMixin):
                 )
             if self._engine is None:
                 self._engine = await self._open_engine(stack)
+            if global_settings is not None:
+                # Entered before the request groups, so it closes after every request ended.
+                model = self._model
+                self._keys = KeySpace.for_model(model)
+                self._global = await stack.enter_async_context(
+                    GlobalCache(
+                        global_settings,
+                        hidden_size=model.hidden_size,
+                        dtype=model.dtype,
+                        on_event=self._events.on_global_cache,
+                        on_breaker=self._events.on_breaker,
+                        close_timeout_s=config.cleanup_timeout_s,
+                    )
+                )
             self._zmq = await stack.enter_async_context(
                 ZmqPushPool(send_timeout_s=config.zmq_send_timeout_s)
             )
@@ -497,13 +535,17 @@ class Encoder(anyio.AsyncContextManagerMixin):
     async def _encode_job(self, req: _Request) -> EncodeResult:
         request = req.request
         try:
-            pre = await self._preprocess(request)
-            output = self._cache_lookup(req, pre)
-            cached = output is not None
-            if output is None:
-                output = await self._forward(req, pre)
-                self._cache_insert(pre, output)
-            await self._stage(req, pre, output, copy=cached)
+            if self._global is not None:
+                assembled, pre = await self._encode_items(req)
+                await self._stage(req, pre, assembled, copy=False)
+            else:
+                pre = await self._preprocess(request)
+                output = self._cache_lookup(req, pre)
+                cached = output is not None
+                if output is None:
+                    output = await self._forward(req, pre)
+                    self._cache_insert(pre, output)
+                await self._stage(req, pre, output, copy=cached)
         except EncdisaggError as exc:
             if exc.req_id is None:
                 exc.req_id = req.req_id
@@ -519,21 +561,29 @@ class Encoder(anyio.AsyncContextManagerMixin):
         assert req.result is not None
         return req.result
 
-    async def _preprocess(self, request: EncodeRequest) -> Preprocessed:
+    async def _preprocess(
+        self, request: EncodeRequest, indices: Sequence[int] | None = None
+    ) -> Preprocessed:
+        """Preprocess the request's items (only those at ``indices`` if given; errors then
+        still name items by their place in the request)."""
         model = self.model
         start = anyio.current_time()
+        items = request.items if indices is None else [request.items[i] for i in indices]
         try:
             pre = await run_thread_to_completion(
                 model.preprocess,
-                request.items,
+                items,
                 request.kind,
                 limiter=self._preprocess_limiter,
             )
-        except EncdisaggError:
-            raise
+        except EncdisaggError as exc:
+            if indices is None:
+                raise
+            raise type(exc)(relabel_items(exc.message, indices), req_id=exc.req_id) from exc
         except (ValueError, TypeError) as exc:
+            detail = str(exc) if indices is None else relabel_items(str(exc), indices)
             raise BadRequestError(
-                f"req_id {request.req_id!r}: preprocessing rejected the input: {exc}",
+                f"req_id {request.req_id!r}: preprocessing rejected the input: {detail}",
                 req_id=request.req_id,
             ) from exc
         except Exception as exc:
@@ -545,30 +595,128 @@ class Encoder(anyio.AsyncContextManagerMixin):
         return pre
 
     async def _forward(self, req: _Request, pre: Preprocessed) -> torch.Tensor:
+        (output,) = await self._forward_all(req, [pre])
+        return output
+
+    async def _forward_all(
+        self, req: _Request, batch: Sequence[Preprocessed]
+    ) -> list[torch.Tensor]:
+        """Forward each element of ``batch`` as a job of ``req`` (the batcher may fuse them
+        with each other and with other requests' jobs)."""
         assert self._batcher is not None
-        job = ForwardJob(req.req_id, req.request.kind, pre)
+        jobs = [ForwardJob(req.req_id, req.request.kind, pre) for pre in batch]
         start = anyio.current_time()
         try:
-            try:
-                with anyio.fail_after(self.config.request_timeout_s):
-                    await self._batcher.submit(job)
-            except TimeoutError:
-                raise RequestTimeoutError(
-                    f"req_id {req.req_id!r}: the encode queue stayed full for "
-                    f"{self.config.request_timeout_s} s",
-                    req_id=req.req_id,
-                ) from None
-            await job.done.wait()
+            for job in jobs:
+                try:
+                    with anyio.fail_after(self.config.request_timeout_s):
+                        await self._batcher.submit(job)
+                except TimeoutError:
+                    raise RequestTimeoutError(
+                        f"req_id {req.req_id!r}: the encode queue stayed full for "
+                        f"{self.config.request_timeout_s} s",
+                        req_id=req.req_id,
+                    ) from None
+            for job in jobs:
+                await job.done.wait()
         except BaseException:
             # The batcher skips jobs nobody waits for any more.
-            job.abandoned = True
+            for job in jobs:
+                job.abandoned = True
             raise
         self._phase_done("queue+forward", start)
-        if job.error is not None:
-            raise job.error
-        if job.output is None:
-            raise ServiceUnavailableError("the encoder is shutting down", req_id=req.req_id)
-        return job.output
+        outputs = []
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+            if job.output is None:
+                raise ServiceUnavailableError("the encoder is shutting down", req_id=req.req_id)
+            outputs.append(job.output)
+        return outputs
+
+    # -- the per-item path through both cache tiers (config.global_cache set) ---------------
+
+    async def _encode_items(self, req: _Request) -> tuple[torch.Tensor, Preprocessed]:
+        """Key each item; take local hits, then global hits; preprocess and forward only the
+        rest; assemble in item order; insert what was computed (global: in the background).
+        Global-tier failures never fail the request (see docs/cache.md)."""
+        request = req.request
+        global_cache, keys = self._global, self._keys
+        assert global_cache is not None
+        assert keys is not None
+        start = anyio.current_time()
+        key_builder = keys.for_modality(request.kind.value)
+        plan = await run_thread_to_completion(
+            lambda: ItemPlan.build(
+                request.items,
+                request.hashes,
+                key_builder,
+                max_media_bytes=self.config.max_media_bytes,
+            ),
+            limiter=self._preprocess_limiter,
+        )
+        # Items that name their content elsewhere (files, URLs) are keyed by preprocessing
+        # them alone; the result is reused for their forward if they miss.
+        for index in plan.unkeyed():
+            plan.key_by_preprocessing(index, await self._preprocess(request, [index]))
+        self._local_lookup(req, plan)
+        for key, item in (await global_cache.lookup(plan.open_keys())).items():
+            plan.fill(key, item, Origin.GLOBAL)
+        self._phase_done("cache_lookup", start)
+        group = plan.to_preprocess()
+        if group:
+            plan.set_preprocessed(group, await self._preprocess(request, group))
+        batch = plan.forward_batch()
+        if batch:
+            plan.set_outputs(await self._forward_all(req, batch))
+        device = getattr(self.model, "device", None)
+        tensor, token_counts, grid = plan.assemble(
+            device if isinstance(device, torch.device) else torch.device("cpu")
+        )
+        self._warm_tiers(plan)
+        return tensor, Preprocessed(token_counts=token_counts, grid=grid)
+
+    def _local_lookup(self, req: _Request, plan: ItemPlan) -> None:
+        if self.config.prefix_cache_mb <= 0:
+            return
+        model = self.model
+        for key in plan.open_keys():
+            try:
+                hit = self._cache.lookup_item(key, hidden_size=model.hidden_size, dtype=model.dtype)
+            except ValueError as exc:
+                self._cache_event("invalid")
+                raise InternalError(f"req_id {req.req_id!r}: {exc}", req_id=req.req_id) from exc
+            self._cache_event("hit" if hit is not None else "miss")
+            if hit is not None:
+                rows, (tokens, grid) = hit
+                plan.fill(key, CachedItem(rows=rows, tokens=tokens, grid=grid), Origin.LOCAL)
+
+    def _warm_tiers(self, plan: ItemPlan) -> None:
+        """Insert computed items in both tiers and global hits in the local one."""
+        assert self._global is not None
+        computed = plan.computed()
+        for key, item in computed:
+            self._global.insert_soon(key, item)
+        if self.config.prefix_cache_mb <= 0:
+            return
+        model = self.model
+        before = self._cache.stats().evictions
+        for key, item in [*computed, *plan.fetched()]:
+            rows = item.rows
+            if rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
+                # A view into a batch output or a fetched buffer: keep only its own rows, so
+                # the cache's byte count is the memory it holds.
+                rows = rows.clone()
+            self._cache.insert(
+                key,
+                rows,
+                tokens=item.tokens,
+                hidden_size=model.hidden_size,
+                dtype=model.dtype,
+                grid=item.grid,
+            )
+        for _ in range(self._cache.stats().evictions - before):
+            self._cache_event("eviction")
 
     def _cache_key_ok(self, pre: Preprocessed) -> bool:
         return self.config.prefix_cache_mb > 0 and pre.cache_key is not None
@@ -1102,6 +1250,15 @@ class Encoder(anyio.AsyncContextManagerMixin):
     @property
     def cache(self) -> PrefixCache:
         return self._cache
+
+    @property
+    def global_cache(self) -> GlobalCache | None:
+        """The global tier while the encoder is open with ``global_cache`` set, else None."""
+        return self._global
+
+    def global_cache_stats(self) -> GlobalCacheStats | None:
+        """The global tier's counters (``None`` without ``global_cache``). Not a checkpoint."""
+        return None if self._global is None else self._global.stats()
 
     def _phase_done(self, phase: str, start: float) -> None:
         if self._events.on_phase is not None:
