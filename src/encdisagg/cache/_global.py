@@ -112,7 +112,8 @@ class _Answer(Generic[T]):
     """The result box of one store call; written by its task, read by the waiting request."""
 
     done: anyio.Event = field(default_factory=anyio.Event)
-    value: T | None = None
+    #: ``(value,)`` once the call returned.
+    value: tuple[T] | None = None
     error: Exception | None = None
     #: False once the request stopped waiting (timed out): the answer is then dropped.
     waited_for: bool = True
@@ -431,15 +432,18 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         if not answer.done.is_set():
             answer.waited_for = False
             raise _NoAnswer(f"no answer within {self.settings.timeout_ms} ms")
-        if answer.error is not None:
-            raise _NoAnswer(str(answer.error) or repr(answer.error)) from answer.error
-        return answer.value  # type: ignore[return-value]  # set when error is None
+        if answer.value is None:
+            error = answer.error
+            raise _NoAnswer((str(error) or repr(error)) if error else "no answer") from error
+        return answer.value[0]
 
     async def _answer(
         self, answer: _Answer[T], func: Callable[..., T], args: tuple[object, ...]
     ) -> None:
         try:
-            answer.value = await run_thread_to_completion(func, *args, limiter=self._lookup_limiter)
+            answer.value = (
+                await run_thread_to_completion(func, *args, limiter=self._lookup_limiter),
+            )
         except Exception as exc:
             answer.error = exc
             if not answer.waited_for:
