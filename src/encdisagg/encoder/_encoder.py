@@ -1253,7 +1253,8 @@ class Encoder(anyio.AsyncContextManagerMixin):
 
     @property
     def global_cache(self) -> GlobalCache | None:
-        """The global tier while the encoder is open with ``global_cache`` set, else None."""
+        """The global tier with ``global_cache`` set (kept after close, for its counters),
+        else None."""
         return self._global
 
     def global_cache_stats(self) -> GlobalCacheStats | None:
