@@ -69,8 +69,14 @@ class HealthReport:
 
 
 class Backend(Protocol):
-    """The calls behind the routes. Each is a checkpoint; errors are
-    :class:`~encdisagg.EncdisaggError` subclasses carrying their HTTP status."""
+    """The calls behind the routes.
+
+    Each is a checkpoint and has the meaning of the Encoder method it is named after
+    (``register`` is ``register_destinations``, ``metadata`` is ``wait_metadata``),
+    cancellation included: a cancelled ``encode`` or ``send`` leaves nothing staged once its
+    work stopped. Errors are :class:`~encdisagg.EncdisaggError` subclasses carrying their
+    HTTP status.
+    """
 
     async def encode(self, body: EncodeBody) -> EncodeResult: ...
 

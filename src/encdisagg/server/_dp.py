@@ -77,6 +77,8 @@ _log = logging.getLogger("encdisagg.server.dp")
 
 #: How many ``req_id -> worker`` routes are remembered at most.
 _ROUTE_LIMIT: Final = 100_000
+#: Longest temp folder for the ipc:// endpoints (Unix socket paths hold about 100 bytes).
+_MAX_IPC_DIR: Final = 80
 #: Bound on a ``stats`` call to one worker (for /metrics).
 _STATS_TIMEOUT_S: Final = 5.0
 #: Most time each escalation step (SIGTERM, SIGKILL) waits once a stop message was ignored.
@@ -199,6 +201,10 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     async def _run(self) -> AsyncGenerator[None]:
         backend_name = self.settings.worker_backend or sniffio.current_async_library()
         directory = Path(tempfile.mkdtemp(prefix="encdisagg-dp-"))
+        if len(str(directory)) > _MAX_IPC_DIR:
+            # ipc:// paths are Unix socket paths: about 100 bytes at most.
+            shutil.rmtree(directory, ignore_errors=True)
+            directory = Path(tempfile.mkdtemp(prefix="encdisagg-dp-", dir="/tmp"))
         context: zmq.Context[Any] = zmq.Context()
         try:
             self._results = IpcSocket(context, zmq.PULL, f"ipc://{directory}/results", bind=True)

@@ -80,6 +80,7 @@ async def serve(
     graceful_timeout_s: float = 30.0,
     startup_timeout_s: float = 600.0,
     shutdown_timeout_s: float = 120.0,
+    keep_alive_timeout_s: float = 75.0,
     sock: socket.socket | None = None,
 ) -> None:
     """Serve ``app`` with Hypercorn until ``shutdown_trigger`` returns, then shut down.
@@ -90,6 +91,9 @@ async def serve(
     listens, so clients may connect from then on). Cancelling the call stops the server
     without the graceful drain.
 
+    :param keep_alive_timeout_s: how long an idle keep-alive connection stays open. Longer
+        than the clients' own idle expiry (httpx: 5 s, aiohttp: 15 s), so a client never
+        sends a request on a connection the server is closing at that moment.
     :param sock: a listening socket to serve on instead of binding ``host:port``; it is
         handed to Hypercorn, which closes it.
     :raises OSError: if the address cannot be bound.
@@ -103,6 +107,7 @@ async def serve(
     config.graceful_timeout = graceful_timeout_s
     config.startup_timeout = startup_timeout_s
     config.shutdown_timeout = shutdown_timeout_s
+    config.keep_alive_timeout = keep_alive_timeout_s
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
 

@@ -191,7 +191,7 @@ class _Worker:
             self._calls.pop(message.id, None)
             self._unmark_encoding(encoding)
             self._slots.release()
-        if reply is None:
+        if reply is None or scope.cancel_called:
             return  # cancelled: the front gave up on this call
         with anyio.move_on_after(_REPLY_TIMEOUT_S):
             await self.results.send(reply.to_wire())
