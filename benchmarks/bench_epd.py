@@ -1,0 +1,286 @@
+"""E->P->D vs colocated: time to first token and time per output token on the demo pipeline.
+
+Run as ``python benchmarks/bench_epd.py [--quick]``; writes ``epd.json`` and ``epd.png``.
+
+*Disaggregated*: :func:`encdisagg.pipeline.run_demo` (the pipeline behind ``encdisagg demo``):
+two encoder servers over HTTP, a prefill and a decode worker with their own copies of the
+tiny Qwen2-VL, embeddings over ZMQ (or Mooncake TCP) and KV over transfer engines, all in
+one process on one event loop. Its TTFT runs from the decode side's admission of a request
+to its first token; TPOT is the mean gap between the following tokens.
+
+*Colocated*: the same requests (same images, prompts and token budget, taken from the
+demo's own plan) on one copy of the same model: decode the image from its data URL, run the
+model's image processor, and ``generate`` greedily with its own vision tower; a streamer
+stamps each token. With concurrency above one, requests share the model one at a time
+(as a server without batching would); TTFT then includes waiting for it.
+
+Both run at concurrency 1 and 4 on small (the demo's 56-112 px) and larger (224-448 px)
+images. The generated tokens are compared: both sides must produce the same tokens.
+
+On one machine with two cores there is no extra hardware for disaggregation to use, so its
+costs (HTTP, transfers, three model copies competing for the same cores) are not paid back
+here. The figures show what the pipeline costs, not what it gains on a real cluster.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from _common import Options, headline, parse_options, write_json, write_png
+
+NEW_TOKENS = 16
+
+
+def _scenarios(options: Options) -> list[dict[str, Any]]:
+    requests = options.pick(16, 4)
+    small = {"image_min_side": 56, "image_max_side": 112}
+    large = {"image_min_side": 224, "image_max_side": 448}
+    cells = [
+        {"name": "small images, c=1", "concurrency": 1, "transfer": "zmq", **small},
+        {"name": "small images, c=4", "concurrency": 4, "transfer": "zmq", **small},
+        {"name": "larger images, c=1", "concurrency": 1, "transfer": "zmq", **large},
+        {"name": "larger images, c=4", "concurrency": 4, "transfer": "zmq", **large},
+    ]
+    if not options.quick:
+        cells.append(
+            {
+                "name": "small images, c=1, Mooncake",
+                "concurrency": 1,
+                "transfer": "mooncake",
+                **small,
+            }
+        )
+    for cell in cells:
+        cell["requests"] = requests
+    return cells
+
+
+def _options(cell: dict[str, Any]) -> Any:
+    from encdisagg.pipeline import DemoOptions
+
+    return DemoOptions(
+        requests=cell["requests"],
+        transfer=cell["transfer"],
+        concurrency=cell["concurrency"],
+        new_tokens=NEW_TOKENS,
+        image_min_side=cell["image_min_side"],
+        image_max_side=cell["image_max_side"],
+        verbose=False,
+    )
+
+
+async def _disaggregated(cell: dict[str, Any]) -> dict[str, Any]:
+    from encdisagg.pipeline import run_demo
+
+    report = await run_demo(_options(cell), out=io.StringIO(), err=io.StringIO())
+    outcomes = {
+        o.rid: {"ttft_s": o.ttft_s, "tpot_s": o.tpot_s, "tokens": list(o.tokens)}
+        for o in report.outcomes
+    }
+    return {"ok": report.ok, "elapsed_s": report.elapsed_s, "requests": outcomes}
+
+
+class _Clock:
+    """A ``generate`` streamer that stamps every generated token (the first ``put`` is the
+    prompt)."""
+
+    def __init__(self) -> None:
+        self.prompt_seen = False
+        self.stamps: list[float] = []
+        self.tokens: list[int] = []
+
+    def put(self, value: Any) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.stamps.append(time.perf_counter())
+        self.tokens.extend(int(t) for t in value.reshape(-1))
+
+    def end(self) -> None:
+        pass
+
+
+def _colocated_one(lm: Any, lock: threading.Lock, prompt: str, urls: Sequence[str]) -> Any:
+    import torch
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    start = time.perf_counter()
+    images = []
+    for url in urls:
+        data = base64.b64decode(url.split(",", 1)[1])
+        images.append(Image.open(io.BytesIO(data)).convert("RGB"))
+    pixels = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")
+    merge = int(lm.model.config.vision_config.spatial_merge_size)
+    counts = [int(row.prod()) // (merge * merge) for row in pixels["image_grid_thw"]]
+    ids = torch.tensor([lm.prompt_ids(prompt, counts)], dtype=torch.long)
+    clock = _Clock()
+    with lock, torch.inference_mode():
+        lm.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(ids == lm.image_token_id).int(),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            streamer=clock,
+        )
+    ttft = clock.stamps[0] - start
+    tpot = None
+    if len(clock.stamps) > 1:
+        tpot = (clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1)
+    return {"ttft_s": ttft, "tpot_s": tpot, "tokens": clock.tokens}
+
+
+async def _colocated(cell: dict[str, Any], lm: Any) -> dict[str, Any]:
+    import anyio
+    import anyio.to_thread
+
+    # The demo's own plan: the same images, prompts and order as the disaggregated run.
+    from encdisagg.pipeline._demo import _plan
+
+    planned = _plan(_options(cell))
+    lock = threading.Lock()
+    limiter = anyio.CapacityLimiter(cell["concurrency"])
+    threads = anyio.CapacityLimiter(cell["concurrency"])
+    results: dict[str, Any] = {}
+
+    async def one(item: Any) -> None:
+        async with limiter:
+            request = item.request
+            results[request.rid] = await anyio.to_thread.run_sync(
+                _colocated_one, lm, lock, request.prompt, request.images, limiter=threads
+            )
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for item in planned:
+            group.start_soon(one, item)
+    return {"elapsed_s": time.perf_counter() - start, "requests": results}
+
+
+def _summary(requests: dict[str, Any]) -> dict[str, float]:
+    ttft = [r["ttft_s"] for r in requests.values() if r["ttft_s"] is not None]
+    tpot = [r["tpot_s"] for r in requests.values() if r["tpot_s"] is not None]
+    return {
+        "ttft_p50_ms": statistics.median(ttft) * 1e3,
+        "ttft_mean_ms": statistics.fmean(ttft) * 1e3,
+        "tpot_p50_ms": statistics.median(tpot) * 1e3,
+        "tpot_mean_ms": statistics.fmean(tpot) * 1e3,
+    }
+
+
+def _plot(options: Options, rows: list[dict[str, Any]]) -> None:
+    def draw(fig: Any) -> None:
+        for index, (metric, title) in enumerate(
+            (("ttft_p50_ms", "TTFT p50 (ms)"), ("tpot_p50_ms", "TPOT p50 (ms)"))
+        ):
+            ax = fig.add_subplot(1, 2, index + 1)
+            xs = list(range(len(rows)))
+            width = 0.38
+            ax.bar(
+                [x - width / 2 for x in xs],
+                [row["colocated"][metric] for row in rows],
+                width,
+                color="#999999",
+                label="colocated",
+            )
+            ax.bar(
+                [x + width / 2 for x in xs],
+                [row["disaggregated"][metric] for row in rows],
+                width,
+                color="#3b75af",
+                label="E->P->D",
+            )
+            for x, row in zip(xs, rows, strict=True):
+                ratio = row["disaggregated"][metric] / row["colocated"][metric]
+                ax.annotate(
+                    f"{ratio:.1f}x",
+                    (x + width / 2, row["disaggregated"][metric]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                )
+            ax.set_xticks(xs, [row["name"].replace(", ", "\n") for row in rows], fontsize=7)
+            ax.set_ylabel(title)
+            ax.set_yscale("log")
+            ax.legend(fontsize=7)
+        fig.suptitle("Tiny Qwen2-VL on one 2-core machine: E->P->D vs colocated (lower is better)")
+
+    write_png(options, "epd", draw, size=(11, 4.5))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import anyio
+
+    from encdisagg.pipeline import LanguageModel
+
+    options = parse_options(__doc__.splitlines()[0], argv)
+    repeats = options.repeats or options.pick(3, 1)
+    lm = LanguageModel.tiny()
+    rows = []
+    for cell in _scenarios(options):
+        disaggregated: list[dict[str, Any]] = []
+        colocated: list[dict[str, Any]] = []
+        anyio.run(_colocated, {**cell, "requests": 1}, lm)  # warm-up
+        for _ in range(repeats):
+            disaggregated.append(anyio.run(_disaggregated, cell))
+            colocated.append(anyio.run(_colocated, cell, lm))
+        # Per repeat, then the median over repeats of each figure.
+        d_sums = [_summary(run["requests"]) for run in disaggregated]
+        c_sums = [_summary(run["requests"]) for run in colocated]
+        parity = all(
+            d["requests"][rid]["tokens"] == c["requests"][rid]["tokens"]
+            for d, c in zip(disaggregated, colocated, strict=True)
+            for rid in c["requests"]
+        )
+        row = {
+            **cell,
+            "disaggregated": {k: statistics.median(s[k] for s in d_sums) for k in d_sums[0]},
+            "colocated": {k: statistics.median(s[k] for s in c_sums) for k in c_sums[0]},
+            "disaggregated_elapsed_s": statistics.median(r["elapsed_s"] for r in disaggregated),
+            "colocated_elapsed_s": statistics.median(r["elapsed_s"] for r in colocated),
+            "demo_ok": all(run["ok"] for run in disaggregated),
+            "token_parity": parity,
+        }
+        row["ttft_ratio"] = row["disaggregated"]["ttft_p50_ms"] / row["colocated"]["ttft_p50_ms"]
+        row["tpot_ratio"] = row["disaggregated"]["tpot_p50_ms"] / row["colocated"]["tpot_p50_ms"]
+        rows.append(row)
+        print(
+            f"{cell['name']:>30}: TTFT {row['disaggregated']['ttft_p50_ms']:.1f} vs "
+            f"{row['colocated']['ttft_p50_ms']:.1f} ms ({row['ttft_ratio']:.2f}x), TPOT "
+            f"{row['disaggregated']['tpot_p50_ms']:.2f} vs {row['colocated']['tpot_p50_ms']:.2f} "
+            f"ms ({row['tpot_ratio']:.2f}x), parity {parity}, demo ok {row['demo_ok']}"
+        )
+    heads = [
+        headline(
+            f"E->P->D / colocated TTFT p50, {row['name']}",
+            row["ttft_ratio"],
+            "x",
+            note=(
+                f"TTFT {row['disaggregated']['ttft_p50_ms']:.0f} vs "
+                f"{row['colocated']['ttft_p50_ms']:.0f} ms; TPOT "
+                f"{row['disaggregated']['tpot_p50_ms']:.1f} vs "
+                f"{row['colocated']['tpot_p50_ms']:.1f} ms ({row['tpot_ratio']:.2f}x); "
+                f"tokens {'identical' if row['token_parity'] else 'DIFFER'}"
+            ),
+        )
+        for row in rows
+    ]
+    data = {"new_tokens": NEW_TOKENS, "repeats": repeats, "rows": rows, "headline": heads}
+    write_json(options, "epd", data)
+    _plot(options, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

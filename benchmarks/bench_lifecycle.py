@@ -1,0 +1,227 @@
+"""Lifecycle overhead: encode + send + release per second with a model and engine that cost
+nothing.
+
+Run as ``python benchmarks/bench_lifecycle.py [--quick]``; writes ``lifecycle.json`` and
+``lifecycle.png``.
+
+The Encoder runs ``NullVisionModel`` (16 tokens x 64 hidden, float16: 2 KiB per request) and a
+``LoopbackEngine``; a second engine on the same fabric holds the receivers' registered
+buffers. One operation is ``encode`` (stage and register), ``send`` to a
+``MooncakeDestination`` (copy, then the request is released and its region deregistered)
+and an explicit ``release`` (a no-op by then, as a client would call it). ``C`` tasks run
+operations back to back until the count is reached; the latency of one operation is from
+its ``encode`` call to its ``release`` return.
+
+For comparison, the same work without the Encoder (``preprocess``, ``forward``,
+``register``, ``write``, ``deregister`` called directly in a loop, one thread, no event
+loop) gives the floor: the ratio shows what the ownership tree, batching, worker-thread
+hops and bookkeeping cost per operation.
+
+Concurrency 1, 64 and 256, on asyncio and on Trio; every cell repeated, the median kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from _common import (
+    Options,
+    headline,
+    latency_summary,
+    parse_options,
+    write_json,
+    write_png,
+)
+
+CONCURRENCY = (1, 64, 256)
+BACKENDS = ("asyncio", "trio")
+TOKENS = 16
+HIDDEN = 64
+
+
+def _parts() -> tuple[Any, Any, Any, list[Any]]:
+    import torch
+
+    from encdisagg.models import NullVisionModel
+    from encdisagg.transfer import LoopbackEngine, LoopbackFabric
+
+    fabric = LoopbackFabric()
+    receiver = LoopbackEngine(fabric, name="receiver")
+    sender = LoopbackEngine(fabric, name="sender")
+    nbytes = TOKENS * HIDDEN * 2
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(max(CONCURRENCY))]
+    for buffer in buffers:
+        receiver.register(buffer.data_ptr(), nbytes)
+    model = NullVisionModel(hidden_size=HIDDEN, tokens_per_item=TOKENS, dtype=torch.float16)
+    return model, sender, receiver, buffers
+
+
+async def _run_cell(concurrency: int, operations: int, tag: str) -> dict[str, Any]:
+    import anyio
+
+    from encdisagg import Encoder, EncoderConfig, EncodeRequest, MooncakeDestination
+
+    model, sender, _receiver, buffers = _parts()
+    config = EncoderConfig(transfer="loopback", max_batch_size=8, max_queued_jobs=4096)
+    latencies: list[float] = []
+    counter = iter(range(operations))
+    async with Encoder(config, model=model, engine=sender) as encoder:
+
+        async def worker(slot: int) -> None:
+            destination = MooncakeDestination("receiver", buffers[slot].data_ptr(), f"rx:{slot}")
+            for index in counter:
+                rid = f"{tag}-{index}"
+                start = time.perf_counter()
+                await encoder.encode(EncodeRequest(rid, [rid]))
+                await encoder.send(rid, destination)
+                await encoder.release(rid)
+                latencies.append(time.perf_counter() - start)
+
+        start = time.perf_counter()
+        with anyio.fail_after(600):
+            async with anyio.create_task_group() as group:
+                for slot in range(concurrency):
+                    group.start_soon(worker, slot)
+        elapsed = time.perf_counter() - start
+        stats = encoder.stats()
+        assert stats.live_requests == 0, stats
+        assert stats.registered_regions == 0, stats
+        assert sender.registered_regions() == 0
+    return {
+        "concurrency": concurrency,
+        "operations": len(latencies),
+        "ops_per_s": len(latencies) / elapsed,
+        "latency": latency_summary(latencies),
+    }
+
+
+def _raw_floor(operations: int) -> dict[str, Any]:
+    """The same calls without the Encoder: one thread, no event loop."""
+    from encdisagg import Modality
+
+    model, sender, _receiver, buffers = _parts()
+    target = buffers[0].data_ptr()
+    latencies = []
+    start = time.perf_counter()
+    for index in range(operations):
+        begin = time.perf_counter()
+        rid = f"raw-{index}"
+        pre = model.preprocess([rid], Modality.IMAGE)
+        (tensor,) = model.forward([pre])
+        ptr = tensor.data_ptr()
+        nbytes = tensor.numel() * tensor.element_size()
+        sender.register(ptr, nbytes)
+        sender.write("receiver", ptr, target, nbytes)
+        sender.deregister(ptr)
+        latencies.append(time.perf_counter() - begin)
+    elapsed = time.perf_counter() - start
+    return {
+        "operations": operations,
+        "ops_per_s": operations / elapsed,
+        "latency": latency_summary(latencies),
+    }
+
+
+def _median_cell(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    ordered = sorted(cells, key=lambda cell: cell["ops_per_s"])
+    chosen = dict(ordered[len(ordered) // 2])
+    chosen["ops_per_s_repeats"] = [cell["ops_per_s"] for cell in cells]
+    return chosen
+
+
+def _plot(options: Options, data: dict[str, Any]) -> None:
+    def draw(fig: Any) -> None:
+        left = fig.add_subplot(1, 2, 1)
+        right = fig.add_subplot(1, 2, 2)
+        for backend, color in zip(BACKENDS, ("#3b75af", "#e1812c"), strict=True):
+            cells = data["cells"][backend]
+            xs = [cell["concurrency"] for cell in cells]
+            left.plot(xs, [c["ops_per_s"] for c in cells], "o-", color=color, label=backend)
+            right.plot(
+                xs,
+                [c["latency"]["p50_ms"] for c in cells],
+                "o-",
+                color=color,
+                label=f"{backend} p50",
+            )
+            right.plot(
+                xs,
+                [c["latency"]["p99_ms"] for c in cells],
+                "s--",
+                color=color,
+                label=f"{backend} p99",
+            )
+        left.axhline(data["raw"]["ops_per_s"], color="#999999", ls=":", label="raw calls (floor)")
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(list(CONCURRENCY), [str(c) for c in CONCURRENCY])
+            ax.set_xlabel("concurrent tasks")
+            ax.legend(fontsize=7)
+        left.set_ylabel("encode+send+release per s")
+        left.set_yscale("log")
+        right.set_ylabel("latency (ms)")
+        right.set_yscale("log")
+        fig.suptitle("Request lifecycle with a null model and a loopback engine")
+
+    write_png(options, "lifecycle", draw, size=(11, 4.2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import anyio
+
+    options = parse_options(__doc__.splitlines()[0], argv)
+    repeats = options.repeats or options.pick(3, 1)
+    operations = options.pick(3000, 300)
+    raw = _raw_floor(operations)
+    print(f"raw floor: {raw['ops_per_s']:.0f} ops/s")
+    cells: dict[str, list[dict[str, Any]]] = {backend: [] for backend in BACKENDS}
+    for concurrency in CONCURRENCY:
+        for backend in BACKENDS:
+            runs = [
+                anyio.run(
+                    _run_cell, concurrency, operations, f"c{concurrency}-{r}", backend=backend
+                )
+                for r in range(repeats)
+            ]
+            cell = _median_cell(runs)
+            cells[backend].append(cell)
+            print(
+                f"{backend:>7} c={concurrency:<3}: {cell['ops_per_s']:7.0f} ops/s, "
+                f"p50 {cell['latency']['p50_ms']:.2f} ms, p99 {cell['latency']['p99_ms']:.2f} ms"
+            )
+    heads = [
+        headline(
+            f"lifecycle {backend} c={cell['concurrency']}",
+            cell["ops_per_s"],
+            "ops/s",
+            note=(
+                f"p50 {cell['latency']['p50_ms']:.2f} ms, p99 "
+                f"{cell['latency']['p99_ms']:.2f} ms; "
+                f"{cell['ops_per_s'] / raw['ops_per_s']:.2f}x raw calls"
+            ),
+        )
+        for backend in BACKENDS
+        for cell in cells[backend]
+    ]
+    trio_vs_asyncio = statistics.median(
+        t["ops_per_s"] / a["ops_per_s"]
+        for a, t in zip(cells["asyncio"], cells["trio"], strict=True)
+    )
+    data = {
+        "operations": operations,
+        "repeats": repeats,
+        "embedding_bytes": TOKENS * HIDDEN * 2,
+        "raw": raw,
+        "cells": cells,
+        "trio_over_asyncio_median": trio_vs_asyncio,
+        "headline": heads,
+    }
+    write_json(options, "lifecycle", data)
+    _plot(options, data)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

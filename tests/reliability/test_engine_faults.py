@@ -1,0 +1,245 @@
+"""Faults below the Encoder: a failing engine, a ZMQ receiver that disappears, a Mooncake peer
+that is killed.
+
+Every call ends with success or a clear error (``TransferError``) within its bound, nothing
+leaks (``stats()``, the recording engine's regions and violations), and the Encoder keeps
+serving once the fault is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from encdisagg import (
+    Encoder,
+    EncodeRequest,
+    MooncakeDestination,
+    TransferError,
+    ZmqDestination,
+)
+from encdisagg.models import NullVisionModel
+from encdisagg.transfer import ZmqReceiver
+
+from ..encoder.fakes import HIDDEN, RecordingEngine, ScriptedModel
+from ._support import fast_config, sized, wait_idle
+
+pytestmark = pytest.mark.anyio
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def assert_idle(encoder: Encoder) -> None:
+    stats = encoder.stats()
+    assert stats.live_requests == 0, stats
+    assert stats.staged_bytes == 0, stats
+    assert stats.inflight_transfers == 0, stats
+    assert stats.registered_regions == 0, stats
+
+
+async def test_engine_failures_end_clearly_and_leak_nothing() -> None:
+    engine = RecordingEngine(
+        rng=random.Random(11), register_failure_rate=0.3, write_failure_rate=0.3
+    )
+    encoder = Encoder(fast_config(max_batch_size=4), model=ScriptedModel(), engine=engine)
+    rng = random.Random(5)
+    outcomes: Counter[str] = Counter()
+
+    async with encoder:
+
+        async def one(index: int) -> None:
+            rid = f"faulty-{index}"
+            tokens = rng.randint(1, 8)
+            buffer = engine.add_remote_buffer(tokens * HIDDEN * 2)
+            destination = MooncakeDestination(engine.session_id, buffer.data_ptr(), "rx:1")
+            with anyio.fail_after(5):  # far above any healthy call
+                try:
+                    await encoder.encode(EncodeRequest(rid, [tokens]))
+                    await encoder.send(rid, destination)
+                    outcomes["delivered"] += 1
+                except TransferError:
+                    outcomes["TransferError"] += 1
+
+        async with anyio.create_task_group() as group:
+            for index in range(sized(200, 5000)):
+                group.start_soon(one, index)
+        await wait_idle(encoder)
+        assert_idle(encoder)
+        assert engine.violations == []
+        assert engine.regions == {}
+        assert outcomes["delivered"] > 0
+        assert outcomes["TransferError"] > 0
+
+        # The fault is gone: everything goes through again.
+        engine.register_failure_rate = engine.write_failure_rate = 0.0
+        for index in range(20):
+            buffer = engine.add_remote_buffer(4 * HIDDEN * 2)
+            await encoder.encode(EncodeRequest(f"healthy-{index}", [4]))
+            await encoder.send(
+                f"healthy-{index}", MooncakeDestination(engine.session_id, buffer.data_ptr(), "rx")
+            )
+        assert_idle(encoder)
+    assert engine.regions == {}
+    assert engine.violations == []
+
+
+@pytest.mark.virtual_time
+async def test_failed_deregistrations_are_retried_until_they_succeed() -> None:
+    engine = RecordingEngine(deregister_failures=5)
+    encoder = Encoder(fast_config(), model=ScriptedModel(), engine=engine)
+    async with encoder:
+        for index in range(5):
+            buffer = engine.add_remote_buffer(4 * HIDDEN * 2)
+            await encoder.encode(EncodeRequest(f"r{index}", [4]))
+            await encoder.send(
+                f"r{index}", MooncakeDestination(engine.session_id, buffer.data_ptr(), "rx")
+            )
+        # Their regions stay registered (and their bytes counted) until a retry succeeds.
+        assert encoder.stats().registered_regions > 0
+        with anyio.fail_after(120):
+            while encoder.stats().registered_regions:
+                await anyio.sleep(0.5)
+        assert_idle(encoder)
+    assert engine.violations == []
+    assert engine.regions == {}
+
+
+async def test_zmq_receiver_that_disappears_fails_sends_within_their_bound() -> None:
+    # 256 KiB embeddings, so a few are on the wire when the receiver goes away.
+    model = NullVisionModel(hidden_size=64, tokens_per_item=2048)
+    encoder = Encoder(fast_config(zmq_send_timeout_s=1.0), model=model)
+    requests = sized(24, 400)
+    outcomes: Counter[str] = Counter()
+    async with encoder:
+        for index in range(requests):
+            await encoder.encode(EncodeRequest(f"z{index}", [f"z{index}"]))
+        receiver = ZmqReceiver(max_queued_messages=2)
+        async with receiver:
+            destination = ZmqDestination(receiver.url)
+
+            async def send(index: int) -> None:
+                # The bound: zmq_send_timeout_s, plus the shielded wait for ZMQ to let go of
+                # the payload (release_timeout_s, 5 s), plus slack.
+                with anyio.fail_after(8):
+                    try:
+                        await encoder.send(f"z{index}", destination)
+                        outcomes["sent"] += 1
+                    except TransferError:
+                        outcomes["TransferError"] += 1
+
+            async with anyio.create_task_group() as group:
+                for index in range(requests):
+                    group.start_soon(send, index)
+                for _ in range(3):
+                    with anyio.fail_after(5):
+                        await receiver.receive()
+                await receiver.aclose()  # gone, with sends still queued
+        assert outcomes["sent"] >= 3
+        assert outcomes["TransferError"] > 0, outcomes
+        assert outcomes.total() == requests
+        await wait_idle(encoder)
+        assert_idle(encoder)
+
+        # A receiver that stays: sends go through again.
+        async with ZmqReceiver() as receiver:
+            for index in range(5):
+                rid = f"after-{index}"
+                await encoder.encode(EncodeRequest(rid, [rid]))
+                await encoder.send(rid, ZmqDestination(receiver.url))
+                with anyio.fail_after(5):
+                    assert (await receiver.receive()).header.req_id == rid
+        assert_idle(encoder)
+
+
+@pytest.mark.mooncake
+async def test_mooncake_peer_killed_mid_run() -> None:
+    pytest.importorskip("mooncake.engine")
+    nbytes = 8 * 2048 * 64 * 2  # eight 256 KiB slots
+
+    def start_peer() -> tuple[subprocess.Popen[str], dict[str, object]]:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.transfer._mooncake_peer", str(nbytes)],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert process.stdout is not None
+        return process, json.loads(process.stdout.readline())
+
+    def stop_peer(process: subprocess.Popen[str]) -> None:
+        for stream in (process.stdin, process.stdout):
+            if stream is not None:
+                stream.close()
+        process.wait(30)
+
+    config = fast_config(transfer="mooncake", max_batch_size=4)
+    model = NullVisionModel(hidden_size=64, tokens_per_item=2048)
+    requests = sized(16, 400)
+    outcomes: Counter[str] = Counter()
+    async with Encoder(config, model=model) as encoder:
+        process, peer = await anyio.to_thread.run_sync(start_peer)
+        try:
+            session, base = str(peer["session_id"]), int(str(peer["ptr"]))
+            killed = anyio.Event()
+
+            async def one(index: int) -> None:
+                rid = f"mc-{index}"
+                slot = base + (index % 8) * (nbytes // 8)
+                destination = MooncakeDestination(session, slot, "peer:1")
+                with anyio.fail_after(10):
+                    try:
+                        await encoder.encode(EncodeRequest(rid, [rid]))
+                        await encoder.send(rid, destination)
+                        outcomes["delivered"] += 1
+                    except TransferError:
+                        outcomes["TransferError"] += 1
+                if index == requests // 4:
+                    killed.set()
+
+            async def kill() -> None:
+                await killed.wait()
+                os.kill(process.pid, signal.SIGKILL)
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(kill)
+                limiter = anyio.CapacityLimiter(4)
+
+                async def limited(index: int) -> None:
+                    async with limiter:
+                        await one(index)
+
+                for index in range(requests):
+                    group.start_soon(limited, index)
+        finally:
+            process.kill()
+            await anyio.to_thread.run_sync(stop_peer, process)
+        assert outcomes["delivered"] > 0, outcomes
+        assert outcomes["TransferError"] > 0, outcomes
+        await wait_idle(encoder)
+        assert_idle(encoder)
+
+        # A new peer: deliveries work again.
+        process, peer = await anyio.to_thread.run_sync(start_peer)
+        try:
+            for index in range(3):
+                rid = f"after-{index}"
+                await encoder.encode(EncodeRequest(rid, [rid]))
+                await encoder.send(
+                    rid, MooncakeDestination(str(peer["session_id"]), int(str(peer["ptr"])), "p")
+                )
+        finally:
+            await anyio.to_thread.run_sync(stop_peer, process)
+        assert_idle(encoder)
