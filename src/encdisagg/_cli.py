@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(commands)
     _add_demo(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -120,6 +121,52 @@ def _demo(args: argparse.Namespace) -> int:
     from .pipeline._command import run_demo_command
 
     return run_demo_command(args)
+
+
+# --- bench ---------------------------------------------------------------------------------
+
+
+def _add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "bench",
+        help="run the benchmark suite of a source checkout (python -m benchmarks)",
+        description=(
+            "Run the benchmarks in the 'benchmarks' folder of the source checkout in the "
+            "current directory (or a parent) with 'python -m benchmarks'; results land in "
+            "benchmarks/results/ and the table of docs/benchmarks.md is rewritten."
+        ),
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--only", metavar="NAMES", help="comma-separated benchmarks to run")
+    parser.add_argument("--skip", metavar="NAMES", help="comma-separated benchmarks to leave out")
+    parser.add_argument("--out", metavar="DIR", help="results folder")
+    parser.add_argument("--soak", action="store_true", help="also run the reliability soak")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks")
+    parser.set_defaults(handler=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import subprocess
+    from pathlib import Path
+
+    for folder in (Path.cwd(), *Path.cwd().parents):
+        if (folder / "benchmarks" / "__main__.py").is_file():
+            break
+    else:
+        print(
+            "encdisagg bench: error: no benchmarks/ folder here or above; run it from a "
+            "source checkout of encdisagg",
+            file=sys.stderr,
+        )
+        return 2
+    command = [sys.executable, "-m", "benchmarks"]
+    command += [f"--{flag}" for flag in ("quick", "soak", "list") if getattr(args, flag)]
+    for option in ("only", "skip"):
+        if getattr(args, option) is not None:
+            command += [f"--{option}", getattr(args, option)]
+    if args.out is not None:
+        command += ["--out", str(Path(args.out).resolve())]
+    return subprocess.call(command, cwd=folder)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
