@@ -12,6 +12,13 @@ import os
 
 import pytest
 import trio.testing
+from hypothesis import settings
+
+# In CI, property tests replay the same examples every run (a landing must not depend on a
+# lucky draw); locally they explore afresh, and print the blob to reproduce a failure.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
