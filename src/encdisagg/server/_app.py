@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal
 
+import anyio
 from quart import Blueprint, Quart, Response, current_app, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
@@ -50,6 +51,9 @@ Flavour = Literal["asyncio", "trio"]
 
 #: Bodies larger than this are decoded in a worker thread, off the event loop.
 _THREAD_DECODE_BYTES: Final = 256 * 1024
+#: Threads decoding large bodies at once. ``json.loads`` holds the GIL; fewer such threads
+#: leave the event loop's thread more of it, so other requests keep being answered.
+_DECODE_THREADS: Final = 2
 _PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
 _EXTENSION: Final = "encdisagg"
 
@@ -133,6 +137,7 @@ class EncoderService:
                 f"expected an EncoderConfig or an Encoder, got {type(config_or_encoder).__name__}"
             )
         self._backend: Backend | None = None
+        self._decode_limiter: anyio.CapacityLimiter | None = None
 
     @property
     def config(self) -> EncoderConfig:
@@ -167,6 +172,7 @@ class EncoderService:
                 metrics=self._encoder_metrics,
                 health_timeout_s=self.settings.health_timeout_s,
             )
+        self._decode_limiter = anyio.CapacityLimiter(_DECODE_THREADS)
         async with backend:
             self._backend = backend
             try:
@@ -185,7 +191,7 @@ class EncoderService:
         self, route: str, call: Callable[[Backend, object], Awaitable[object]]
     ) -> Response:
         try:
-            body = await _read_json(self.settings.max_body_bytes)
+            body = await _read_json(self.settings.max_body_bytes, self._decode_limiter)
             backend = self._require_backend()
             response = _json_response(await call(backend, body))
         except EncdisaggError as exc:
@@ -275,7 +281,7 @@ def _decode_json(data: bytes) -> object:
         raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
 
 
-async def _read_json(limit: int) -> object:
+async def _read_json(limit: int, limiter: anyio.CapacityLimiter | None) -> object:
     """The request's JSON body. A checkpoint; large bodies are decoded off the loop.
 
     :raises RequestEntityTooLarge: over ``limit`` (or the app's ``MAX_CONTENT_LENGTH``).
@@ -290,7 +296,7 @@ async def _read_json(limit: int) -> object:
     if not data.strip():
         raise BadRequestError("the request body is empty; expected a JSON object")
     if len(data) > _THREAD_DECODE_BYTES:
-        return await run_thread_to_completion(_decode_json, data)
+        return await run_thread_to_completion(_decode_json, data, limiter=limiter)
     return _decode_json(data)
 
 
