@@ -50,6 +50,10 @@ def fast_config(**overrides: Any) -> EncoderConfig:
 
 @asynccontextmanager
 async def running(app: Quart) -> AsyncIterator[TestClientProtocol]:
-    """Run ``app``'s lifespan and yield a test client."""
-    async with app.test_app() as test_app:
+    """Run ``app``'s lifespan and yield a test client.
+
+    The lifespan may start worker processes (each imports torch): Quart's 6 s default
+    startup bound is too short for that on a busy machine.
+    """
+    async with app.test_app_class(app, startup_timeout=120, shutdown_timeout=120) as test_app:
         yield test_app.test_client()

@@ -10,6 +10,7 @@ Scripts:
 - ``garbage``: sends malformed replies before each real one.
 - ``die-on-encode``: exits with code 3 when an encode for ``req_id == "die"`` arrives.
 - ``stubborn``: ignores ``stop`` and SIGTERM.
+- ``mute``: never reports ready (but obeys ``stop``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def main() -> int:
         with log.open("a") as file:
             file.write(json.dumps({"channel": channel, "message": message}) + "\n")
 
-    send({"kind": "ready", "rank": rank, "pid": os.getpid()})
+    if args.script != "mute":
+        send({"kind": "ready", "rank": rank, "pid": os.getpid()})
     poller = zmq.Poller()
     poller.register(work, zmq.POLLIN)
     poller.register(control, zmq.POLLIN)

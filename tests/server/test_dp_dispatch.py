@@ -7,6 +7,7 @@ The workers here are ``scripted_worker.py``: a protocol stand-in, so each behavi
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -222,3 +223,34 @@ async def test_a_stubborn_worker_is_killed(tmp_path: Path) -> None:
     assert anyio.current_time() - started < 10
     assert backend.workers[0].alive is False
     assert any(e["message"] == {"op": "stop"} for e in logged(tmp_path, 0))
+
+
+async def test_a_cancelled_start_still_stops_the_workers(tmp_path: Path) -> None:
+    backend = DataParallelBackend(
+        fast_config(model="null"),
+        workers=2,
+        settings=ServerSettings(dp=2, worker_start_timeout_s=60, worker_stop_timeout_s=5),
+        worker_command=[sys.executable, SCRIPT, "--script", "mute", "--log", str(tmp_path)],
+    )
+    with anyio.move_on_after(1.0) as scope:
+        async with backend:
+            pytest.fail("mute workers never report ready")
+    assert scope.cancelled_caught
+    for rank in (0, 1):
+        pid = backend.pid_of(rank)
+        assert pid is not None
+        with pytest.raises(ProcessLookupError):  # exited and reaped
+            os.kill(pid, 0)
+        assert any(e["message"] == {"op": "stop"} for e in logged(tmp_path, rank))
+
+
+async def test_workers_not_ready_in_time_fail_the_start(tmp_path: Path) -> None:
+    backend = DataParallelBackend(
+        fast_config(model="null"),
+        workers=1,
+        settings=ServerSettings(dp=1, worker_start_timeout_s=0.5, worker_stop_timeout_s=5),
+        worker_command=[sys.executable, SCRIPT, "--script", "mute", "--log", str(tmp_path)],
+    )
+    with pytest.raises(ServiceUnavailableError, match="not ready within"):
+        async with backend:
+            pass

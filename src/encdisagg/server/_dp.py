@@ -77,6 +77,8 @@ _log = logging.getLogger("encdisagg.server.dp")
 
 #: How many ``req_id -> worker`` routes are remembered at most.
 _ROUTE_LIMIT: Final = 100_000
+#: How often a stopping front polls for its workers' exits.
+_EXIT_POLL_S: Final = 0.05
 #: Longest temp folder for the ipc:// endpoints (Unix socket paths hold about 100 bytes).
 _MAX_IPC_DIR: Final = 80
 #: Bound on a ``stats`` call to one worker (for /metrics).
@@ -120,6 +122,12 @@ class _Pending:
 class _Route:
     rank: int
     expires_at: float
+
+
+def _exited(worker: _Worker) -> bool:
+    """Whether the worker's process ended (seen by its watcher, or by polling it)."""
+    process = worker.process
+    return worker.exited.is_set() or (process is not None and process.returncode is not None)
 
 
 def _package_root() -> str:
@@ -334,12 +342,13 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
 
     async def _stop_workers(self) -> None:
         """Stop every worker: a stop message, then SIGTERM, then SIGKILL (each bounded).
-        Shielded: completes even when cancelled."""
+        Shielded: completes even when cancelled (then the watchers are cancelled too, so
+        exits are seen by polling the processes)."""
         self._stopping = True
         with anyio.CancelScope(shield=True):
             running = [w for w in self._workers if w.process is not None]
             for worker in running:
-                if not worker.exited.is_set():
+                if not _exited(worker):
                     worker.control.send_nowait(ControlMessage("stop").to_wire())
             step_s = min(_KILL_STEP_S, self._stop_timeout_s)
             for step, timeout in (
@@ -347,9 +356,9 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                 (signal.SIGTERM, step_s),
                 (signal.SIGKILL, step_s),
             ):
-                left = [w for w in running if not w.exited.is_set()]
+                left = [w for w in running if not _exited(w)]
                 if not left:
-                    return
+                    break
                 for worker in left:
                     if step is not None:
                         _log.warning("%s did not stop; sending %s", worker.describe(), step.name)
@@ -357,11 +366,19 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                         with suppress(ProcessLookupError):
                             worker.process.send_signal(step)
                 with anyio.move_on_after(timeout):
-                    for worker in left:
-                        await worker.exited.wait()
+                    # No event tells of an exit once the watchers are gone: poll.
+                    while True:
+                        await anyio.sleep(_EXIT_POLL_S)
+                        if all(_exited(worker) for worker in left):
+                            break
             for worker in running:
-                if not worker.exited.is_set():
+                if not _exited(worker):
                     _log.error("%s could not be stopped", worker.describe())
+                elif not worker.exited.is_set():
+                    # Its watcher was cancelled: close the process's transport here.
+                    assert worker.process is not None
+                    with anyio.move_on_after(_KILL_STEP_S):
+                        await worker.process.aclose()
 
     # -- the result listener ------------------------------------------------------------------
 
