@@ -52,6 +52,8 @@ class Bench:
     #: Headline figures from its JSON, for scripts that do not write ``headline`` themselves.
     headlines: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None
     timeout_s: float = 1800.0
+    #: The JSON file it writes (without ``.json``), if not its name.
+    result: str | None = None
 
 
 def _own_args(out: Path, quick: bool) -> list[str]:
@@ -123,6 +125,7 @@ BENCHES: tuple[Bench, ...] = (
         "/health while 200 encodes of 1280x720 images run",
         lambda out, quick: ["--out", str(out), *(["--quick"] if quick else [])],
         _generic_headlines,
+        result="server",
     ),
     Bench(
         "decode",
@@ -179,7 +182,7 @@ def _run(bench: Bench, out: Path, quick: bool) -> dict[str, Any]:
 
 
 def _headlines(bench: Bench, out: Path) -> list[dict[str, Any]]:
-    path = out / f"{bench.name}.json"
+    path = out / f"{bench.result or bench.name}.json"
     if not path.exists():
         return []
     data = json.loads(path.read_text())
@@ -243,10 +246,21 @@ def _machine_line(machine: dict[str, Any]) -> str:
 
 def _soak(out: Path) -> dict[str, Any]:
     report = out / "soak.json"
+    report.unlink(missing_ok=True)  # each test merges its section into a fresh report
     env = python_env()
     env["ENCDISAGG_SOAK"] = "1"
     env["ENCDISAGG_SOAK_REPORT"] = str(report)
-    command = [sys.executable, "-m", "pytest", "tests/reliability", "-q", "-p", "no:cacheprovider"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/reliability",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--deselect",
+        "tests/reliability/test_bench_runner.py",
+    ]
     print(f"== soak: {' '.join(command[1:])} (ENCDISAGG_SOAK=1)", flush=True)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, check=False, timeout=7200)
@@ -304,14 +318,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [(bench, _headlines(bench, out), run) for bench, run in zip(chosen, runs, strict=True)]
     machine = machine_info()
     table = _table(rows)
-    if soak is not None:
+    soak_rows = _soak_headlines(out)
+    if soak_rows:
+        # From this run, or from an earlier --soak run into the same folder.
+        soak_run = soak or {"name": "soak", "status": "earlier run", "seconds": 0.0}
         soak_bench = Bench("soak", "tests/reliability", "reliability soak")
-        table += "\n" + _table([(soak_bench, _soak_headlines(out), soak)]).split("\n", 2)[2]
+        table += "\n" + _table([(soak_bench, soak_rows, soak_run)]).split("\n", 2)[2]
     summary = {
         "quick": args.quick,
         "machine": machine,
         "runs": runs + ([soak] if soak else []),
-        "headline": {bench.name: heads for bench, heads, _ in rows},
+        "headline": {
+            **{bench.name: heads for bench, heads, _ in rows},
+            **({"soak": soak_rows} if soak_rows else {}),
+        },
         "seconds": time.perf_counter() - started,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -319,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "summary.md").write_text(markdown)
     print()
     print(markdown)
-    if not args.quick and args.out is None and not args.only and DOCS.exists():
+    complete = not (args.quick or args.only or args.skip or args.soak_only)
+    if complete and args.out is None and DOCS.exists():
         _update_docs(markdown)
     failed = [run["name"] for run in summary["runs"] if run["status"] not in ("ok", "missing")]
     if failed:

@@ -31,7 +31,7 @@ from encdisagg.models import NullVisionModel
 from encdisagg.server import EncodeBody, MetadataBody, ReceiveUrlBody, ReleaseBody, SendBody
 from encdisagg.transfer import EmbeddingHeader, ZmqReceiver, decode_header, encode_header
 
-from ._support import fast_config, running_server, sized, wait_idle
+from ._support import fast_config, running_server, sized, wait_idle, write_soak_report
 
 pytestmark = pytest.mark.anyio
 
@@ -187,7 +187,9 @@ ROUTES = ["/encode", "/send", "/scheduler_receive_url", "/scheduler_receive_meta
 
 
 @pytest.mark.parametrize("route", ROUTES)
-async def test_fuzzed_bodies_get_no_5xx_for_malformed_input(route: str) -> None:
+async def test_fuzzed_bodies_get_no_5xx_for_malformed_input(
+    route: str, anyio_backend_name: str
+) -> None:
     config = fast_config(request_timeout_s=0.2, zmq_send_timeout_s=0.3, send_timeout_s=30.0)
     encoder = Encoder(config, model=NullVisionModel())
     statuses: Counter[str] = Counter()
@@ -255,6 +257,23 @@ async def test_fuzzed_bodies_get_no_5xx_for_malformed_input(route: str) -> None:
         await wait_idle(encoder)
         group.cancel_scope.cancel()
     print(f"{route}: {dict(sorted(statuses.items()))}")
+    well_formed = sum(n for key, n in statuses.items() if key.startswith("ok "))
+    write_soak_report(
+        f"fuzz {route} ({anyio_backend_name})",
+        {
+            "statuses": dict(statuses),
+            "headline": [
+                {
+                    "figure": f"fuzz {route} ({anyio_backend_name}): {statuses.total():,} bodies",
+                    "value": sum(n for key, n in statuses.items() if key.endswith(" 500")),
+                    "unit": "5xx on malformed / 500s",
+                    "goal": "0",
+                    "met": True,  # the test fails otherwise
+                    "note": f"{well_formed:,} well-formed; server up and idle afterwards",
+                },
+            ],
+        },
+    )
 
 
 def _is_json(data: bytes) -> bool:

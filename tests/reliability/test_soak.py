@@ -3,10 +3,10 @@ engine failures.
 
 Each request follows a random script (encode and send over Mooncake-style writes or ZMQ,
 push mode, release, a malformed body, an unknown id); one client in eight gives up after a
-random 1-20 ms and disconnects, mid-encode or mid-send. The engine fails registrations and writes at random. A
-*violation* is a 500, an answer the script does not allow, or a call past its bound. At the
-end: no violations, the Encoder and the recording engine hold nothing, and the resident
-memory did not grow.
+random 1-20 ms and disconnects, mid-encode or mid-send. The engine fails registrations and
+writes at random. A *violation* is a 500, an answer the script does not allow, or a call
+past its bound. At the end: no violations, the Encoder and the recording engine hold nothing,
+and the resident memory did not grow.
 
 300 requests per backend in CI; 20,000 under ``ENCDISAGG_SOAK=1`` (with a report).
 """
