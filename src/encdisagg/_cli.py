@@ -58,6 +58,11 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--send-timeout", type=float, metavar="SECONDS")
     parser.add_argument("--prefix-cache-mb", type=int)
     parser.add_argument("--staged-memory-limit-mb", type=int)
+    parser.add_argument(
+        "--global-cache",
+        metavar="URL",
+        help="global embedding cache: mooncake://MASTER:PORT?metadata=URL[&...] (docs/cache.md)",
+    )
     parser.add_argument("--max-body-mb", type=int, help="largest request body (default 256)")
     parser.add_argument("--health-timeout", type=float, metavar="SECONDS")
     parser.add_argument("--worker-class", choices=("asyncio", "trio"), help="event loop")

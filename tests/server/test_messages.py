@@ -3,6 +3,7 @@ round-trip through their wire form."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -251,6 +252,42 @@ def test_metrics_snapshot_wire_and_merge() -> None:
     assert all(line.startswith(("#", "encdisagg_")) for line in text.splitlines() if line), (
         "every metric is prefixed"
     )
+
+
+def test_metrics_show_the_global_cache_tier() -> None:
+    stats = SimpleNamespace(
+        live_requests=1,
+        staged_bytes=64,
+        inflight_transfers=0,
+        registered_regions=1,
+        cache_entries=2,
+    )
+    local = SimpleNamespace(hits=3, misses=4, evictions=0)
+    tier = SimpleNamespace(
+        breaker="open",
+        hits=5,
+        misses=6,
+        fallbacks=7,
+        skipped=8,
+        invalid=1,
+        inserts=9,
+        insert_failures=2,
+    )
+    encoder: Any = SimpleNamespace(
+        stats=lambda: stats,
+        cache=SimpleNamespace(stats=lambda: local),
+        global_cache_stats=lambda: tier,
+    )
+    snapshot = EncoderMetrics().snapshot(encoder)
+    again = MetricsSnapshot.from_wire(unpack(pack(snapshot.to_wire())))
+    server = ServerMetrics()
+    server.update(ServiceSnapshot(MetricsSnapshot.merge([again]), (), None))
+    text = server.render().decode()
+    assert "encdisagg_cache_hits_total 3.0" in text
+    assert "encdisagg_cache_global_hits_total 5.0" in text
+    assert "encdisagg_cache_global_fallbacks_total 7.0" in text
+    assert "encdisagg_cache_global_insert_failures_total 2.0" in text
+    assert "encdisagg_global_cache_breaker_open 1.0" in text
 
 
 @pytest.mark.parametrize(

@@ -346,7 +346,7 @@ async def test_metrics_from_encoder_events(make_app: Callable[..., Quart]) -> No
     assert 'encdisagg_requests_total{modality="image",status="ok"} 1.0' in text
     assert 'encdisagg_requests_total{modality="image",status="bad_request"} 1.0' in text
     assert "encdisagg_request_seconds_count 2.0" in text  # the failed encode counts too
-    for name in ("preprocess", "forward", "transfer", "queue_and_forward"):
+    for name in ("queue", "preprocess", "forward", "transfer", "queue_and_forward"):
         assert f"encdisagg_{name}_seconds_count 1.0" in text, name
     assert "encdisagg_queue_seconds_bucket" in text
     assert "encdisagg_inflight_transfers 0.0" in text

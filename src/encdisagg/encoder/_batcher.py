@@ -50,6 +50,8 @@ class ForwardJob:
     error: BaseException | None = None
     #: Set by the encode job when its caller left; the batcher then skips the job.
     abandoned: bool = False
+    #: When the job entered the queue (``anyio.current_time()``), for the queue metric.
+    queued_at: float = 0.0
 
     def finish(self, output: torch.Tensor | None, error: BaseException | None) -> None:
         self.output = output
@@ -73,6 +75,7 @@ class Batcher:
         max_batch_size: int,
         max_queued_jobs: int,
         on_batch: Callable[[int, float], None] | None = None,
+        on_queue: Callable[[float], None] | None = None,
     ) -> None:
         self._model = model
         self._max_batch_size = max_batch_size
@@ -80,6 +83,7 @@ class Batcher:
         self._send: MemoryObjectSendStream[ForwardJob] = send
         self._receive: MemoryObjectReceiveStream[ForwardJob] = receive
         self._on_batch = on_batch
+        self._on_queue = on_queue
         self._forward_limiter = anyio.CapacityLimiter(1)
         #: Forwards run so far (fused batches and single retries alike).
         self.forwards = 0
@@ -90,6 +94,7 @@ class Batcher:
 
         :raises ServiceUnavailableError: if the batcher has stopped.
         """
+        job.queued_at = anyio.current_time()
         try:
             await self._send.send(job)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -141,6 +146,10 @@ class Batcher:
                 continue
             by_modality.setdefault(job.modality, []).append(job)
         for group in by_modality.values():
+            if self._on_queue is not None:
+                now = anyio.current_time()
+                for job in group:
+                    self._on_queue(now - job.queued_at)
             await self._forward_group(group)
 
     async def _forward_group(self, group: list[ForwardJob]) -> None:

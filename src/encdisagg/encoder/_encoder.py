@@ -280,6 +280,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
                 max_batch_size=config.max_batch_size,
                 max_queued_jobs=config.max_queued_jobs,
                 on_batch=self._on_batch,
+                on_queue=self._on_queue,
             )
             async with ServiceTaskGroup("encoder services") as services:
                 await services.start(self._batcher.run, name="batcher")
@@ -1264,6 +1265,10 @@ class Encoder(anyio.AsyncContextManagerMixin):
     def _phase_done(self, phase: str, start: float) -> None:
         if self._events.on_phase is not None:
             self._events.on_phase(phase, anyio.current_time() - start)
+
+    def _on_queue(self, seconds: float) -> None:
+        if self._events.on_phase is not None:
+            self._events.on_phase("queue", seconds)
 
     def _on_batch(self, size: int, seconds: float) -> None:
         if self._events.on_phase is not None:

@@ -43,6 +43,7 @@ CONFIG_FLAGS: Final = {
     "send_timeout": "send_timeout_s",
     "prefix_cache_mb": "prefix_cache_mb",
     "staged_memory_limit_mb": "staged_memory_limit_mb",
+    "global_cache": "global_cache",
 }
 #: Keys of the TOML file's ``[server]`` table, and their types.
 SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {

@@ -86,13 +86,26 @@ _GAUGES: Final = {
     "inflight_transfers": "Deliveries in progress.",
     "registered_regions": "Memory regions registered with the transfer engine.",
     "cache_entries": "Entries in the prefix (embedding) cache.",
+    "global_cache_breaker_open": (
+        "Encoders whose global-cache breaker is open, skipping the store (0 or 1 each)."
+    ),
 }
 _CACHE_COUNTERS: Final = {
     "hits": "Prefix cache lookups that found an embedding.",
     "misses": "Prefix cache lookups that found nothing.",
     "evictions": "Prefix cache entries evicted.",
+    "global_hits": "Items served from the global embedding cache.",
+    "global_misses": "Items the global embedding cache did not have.",
+    "global_fallbacks": "Items computed because a global lookup or read failed or was late.",
+    "global_skipped": "Items not looked up in the global cache: breaker open or no store.",
+    "global_invalid": "Global cache entries found invalid (evicted and recomputed).",
+    "global_inserts": "Items stored in the global embedding cache.",
+    "global_insert_failures": "Global cache inserts that failed.",
 }
 
+#: What EncoderStats and the local PrefixCache report (the rest comes from the global tier).
+_ENCODER_GAUGES: Final = tuple(name for name in _GAUGES if not name.startswith("global_"))
+_LOCAL_CACHE: Final = tuple(name for name in _CACHE_COUNTERS if not name.startswith("global_"))
 
 #: Set in a health probe's task (and inherited by the tasks it starts): its encode is not a
 #: client's request and stays out of the request metrics.
@@ -157,9 +170,15 @@ class EncoderMetrics:
         cache = dict.fromkeys(_CACHE_COUNTERS, 0)
         if encoder is not None:
             stats = encoder.stats()
-            gauges = {name: int(getattr(stats, name)) for name in _GAUGES}
+            gauges.update({name: int(getattr(stats, name)) for name in _ENCODER_GAUGES})
             cache_stats = encoder.cache.stats()
-            cache = {name: int(getattr(cache_stats, name)) for name in _CACHE_COUNTERS}
+            cache.update({name: int(getattr(cache_stats, name)) for name in _LOCAL_CACHE})
+            global_stats = encoder.global_cache_stats()
+            if global_stats is not None:
+                for name in _CACHE_COUNTERS:
+                    if name.startswith("global_"):
+                        cache[name] = int(getattr(global_stats, name.removeprefix("global_")))
+                gauges["global_cache_breaker_open"] = int(global_stats.breaker != "closed")
         return MetricsSnapshot(
             requests=dict(self._requests),
             histograms={key: hist.copy() for key, hist in self._histograms.items()},
