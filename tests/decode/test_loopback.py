@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encdisagg import TransferError
+from encdisagg import TransferError, transfer
 from encdisagg.decode import (
     AbortAckTracker,
     DecodePreallocQueue,
@@ -19,10 +19,6 @@ from encdisagg.decode import (
 )
 
 from ._fakes import FakeClock
-
-transfer = pytest.importorskip("encdisagg.transfer")
-if not hasattr(transfer, "LoopbackEngine"):
-    pytest.skip("no loopback engine", allow_module_level=True)
 
 pytestmark = pytest.mark.anyio
 
