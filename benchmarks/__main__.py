@@ -2,8 +2,9 @@
 
 Each benchmark runs in its own Python process (so none inherits another's threads, memory or
 event loop), writes ``<name>.json`` (and a PNG plot) into the results folder, and the runner
-gathers every headline figure into ``summary.json`` and ``summary.md``. A full run into the
-default folder also rewrites the results table of ``docs/benchmarks.md``.
+gathers the headline figures of every benchmark with results in that folder (those run now,
+and the latest results of the others) into ``summary.json`` and ``summary.md``. A run into
+the default folder also rewrites the results table of ``docs/benchmarks.md``.
 
 ``--soak`` runs the reliability tests at soak sizes (20,000 requests against a real server,
 5,000 Hypothesis examples per route) and records their report as ``soak.json``.
@@ -193,6 +194,12 @@ def _headlines(bench: Bench, out: Path) -> list[dict[str, Any]]:
         return [headline(f"{bench.name}: unreadable results", math.nan, "", note=repr(exc))]
 
 
+def _earlier(bench: Bench, out: Path) -> dict[str, Any]:
+    data = json.loads((out / f"{bench.result or bench.name}.json").read_text())
+    when = data.get("machine", {}).get("date", "an earlier run")
+    return {"name": bench.name, "status": f"from {when}", "seconds": 0.0}
+
+
 def _fmt(value: float) -> str:
     if value != value:  # NaN
         return "n/a"
@@ -315,7 +322,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     runs = [_run(bench, out, args.quick) for bench in chosen]
     soak = _soak(out) if (args.soak or args.soak_only) else None
-    rows = [(bench, _headlines(bench, out), run) for bench, run in zip(chosen, runs, strict=True)]
+    # Every benchmark with results in the folder: those run now, and the latest results of
+    # the others (so re-running one benchmark refreshes its rows and keeps the rest).
+    ran = {bench.name: run for bench, run in zip(chosen, runs, strict=True)}
+    rows = []
+    for bench in BENCHES:
+        heads = _headlines(bench, out)
+        if bench.name in ran:
+            rows.append((bench, heads, ran[bench.name]))
+        elif heads:
+            rows.append((bench, heads, _earlier(bench, out)))
     machine = machine_info()
     table = _table(rows)
     soak_rows = _soak_headlines(out)
@@ -339,8 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "summary.md").write_text(markdown)
     print()
     print(markdown)
-    complete = not (args.quick or args.only or args.skip or args.soak_only)
-    if complete and args.out is None and DOCS.exists():
+    if not args.quick and args.out is None and DOCS.exists():
         _update_docs(markdown)
     failed = [run["name"] for run in summary["runs"] if run["status"] not in ("ok", "missing")]
     if failed:

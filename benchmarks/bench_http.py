@@ -103,7 +103,10 @@ def _bare_server(flavour: str) -> None:
 
 async def _load(url: str, pairs: int, tag: str, send: bool = True) -> dict[str, Any]:
     """``pairs`` /encode + /send pairs from CONCURRENCY tasks (aiohttp, on asyncio)."""
-    import aiohttp
+    try:
+        import aiohttp
+    except ImportError as exc:
+        raise SystemExit(f"bench_http.py needs aiohttp (the 'bench' extra): {exc}") from exc
     import anyio
 
     from encdisagg.transfer import ZmqReceiver
