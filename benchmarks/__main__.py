@@ -196,13 +196,16 @@ def _headlines(bench: Bench, out: Path) -> list[dict[str, Any]]:
 
 def _earlier(bench: Bench, out: Path) -> dict[str, Any]:
     data = json.loads((out / f"{bench.result or bench.name}.json").read_text())
-    when = data.get("machine", {}).get("date", "an earlier run")
+    machine = data.get("machine")
+    when = machine.get("date", "an earlier run") if isinstance(machine, dict) else "an earlier run"
     return {"name": bench.name, "status": f"from {when}", "seconds": 0.0}
 
 
 def _fmt(value: float) -> str:
     if value != value:  # NaN
         return "n/a"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and value == 0):
+        return f"{int(value):,}"
     if abs(value) >= 100:
         return f"{value:,.0f}"
     if abs(value) >= 10:
@@ -267,6 +270,11 @@ def _soak(out: Path) -> dict[str, Any]:
         "no:cacheprovider",
         "--deselect",
         "tests/reliability/test_bench_runner.py",
+        # Soak-sized tests run for minutes: no per-test timeout or traceback dumps.
+        "--timeout",
+        "3600",
+        "-o",
+        "faulthandler_timeout=0",
     ]
     print(f"== soak: {' '.join(command[1:])} (ENCDISAGG_SOAK=1)", flush=True)
     start = time.perf_counter()
