@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import anyio
 import anyio.lowlevel
 
+from ..nurseries import KeyedWakeups
 from ._acks import AbortAckTracker
 
 __all__ = ["DrainAcks"]
-
-
-@dataclass(eq=False, slots=True)
-class _Wakeup:
-    # One per (room, generation) with waiters; replaced after every wake-up.
-    event: anyio.Event = field(default_factory=anyio.Event)
-    waiters: int = 0
 
 
 class DrainAcks:
@@ -31,7 +22,7 @@ class DrainAcks:
 
     def __init__(self, tracker: AbortAckTracker | None = None) -> None:
         self.tracker = tracker if tracker is not None else AbortAckTracker()
-        self._wakeups: dict[tuple[int, int], _Wakeup] = {}
+        self._parked: KeyedWakeups[tuple[int, int]] = KeyedWakeups()
 
     def arm(self, room: int) -> int:
         """Arm ``room`` and return its new generation (see :meth:`AbortAckTracker.arm`)."""
@@ -44,9 +35,7 @@ class DrainAcks:
         """
         if not self.tracker.ack(room, rank, generation):
             return False
-        wakeup = self._wakeups.pop((room, generation), None)
-        if wakeup is not None:
-            wakeup.event.set()
+        self._parked.wake((room, generation))
         return True
 
     def clear(self, room: int, *, generation: int | None = None) -> None:
@@ -55,8 +44,7 @@ class DrainAcks:
 
     def waiting(self, room: int, generation: int) -> int:
         """How many tasks wait on ``(room, generation)`` right now."""
-        wakeup = self._wakeups.get((room, generation))
-        return 0 if wakeup is None else wakeup.waiters
+        return self._parked.waiting((room, generation))
 
     async def wait_drained(self, room: int, generation: int, required_acks: int) -> None:
         """Wait until ``required_acks`` distinct ranks acked ``generation`` of ``room``.
@@ -70,13 +58,4 @@ class DrainAcks:
         await anyio.lowlevel.checkpoint()
         key = (room, generation)
         while not self.tracker.is_release_safe(room, required_acks, generation=generation):
-            wakeup = self._wakeups.get(key)
-            if wakeup is None:
-                wakeup = self._wakeups[key] = _Wakeup()
-            wakeup.waiters += 1
-            try:
-                await wakeup.event.wait()
-            finally:
-                wakeup.waiters -= 1
-                if wakeup.waiters == 0 and self._wakeups.get(key) is wakeup:
-                    del self._wakeups[key]
+            await self._parked.park(key)

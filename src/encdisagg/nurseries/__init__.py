@@ -5,7 +5,8 @@ Free of torch, ZMQ and HTTP; each block is tested on its own, on asyncio and on 
 - :func:`run_thread_to_completion`: a worker-thread call that is never abandoned.
 - :class:`OwningScope` / :func:`open_owning_scope`: a task group that owns one resource and
   releases it exactly once, after all its work ended.
-- :class:`KeyedRendezvous`: bounded waits for a key to be published.
+- :class:`KeyedRendezvous`: bounded waits for a key to be published, built on
+  :class:`KeyedWakeups` (tasks parked per key until synchronous code wakes it).
 - :class:`ServiceTaskGroup`: background tasks whose failures are always observed.
 """
 
@@ -19,6 +20,7 @@ from ._owning import (
 from ._rendezvous import KeyedRendezvous as KeyedRendezvous, KeyRemovedError as KeyRemovedError
 from ._services import FailurePolicy as FailurePolicy, ServiceTaskGroup as ServiceTaskGroup
 from ._threads import run_thread_to_completion as run_thread_to_completion
+from ._wakeups import KeyedWakeups as KeyedWakeups
 
 __all__ = (
     "run_thread_to_completion",
@@ -29,6 +31,7 @@ __all__ = (
     "open_owning_scope",
     "KeyedRendezvous",
     "KeyRemovedError",
+    "KeyedWakeups",
     "ServiceTaskGroup",
     "FailurePolicy",
 )
