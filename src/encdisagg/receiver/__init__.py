@@ -20,20 +20,20 @@ from ._client import (
 from ._fetch import fetch_embeddings as fetch_embeddings
 from ._landing import LandingPool as LandingPool, PageRun as PageRun
 from ._messages import PartMetadata as PartMetadata
+from ._pending import PendingEmbeddings as PendingEmbeddings
 from ._plan import (
     PartPlan as PartPlan,
     RequestPlan as RequestPlan,
     assign_parts as assign_parts,
     part_req_id as part_req_id,
 )
-from ._receiver import (
+from ._received import (
     EmbeddingPart as EmbeddingPart,
-    EmbeddingReceiver as EmbeddingReceiver,
     ModalityEmbeddings as ModalityEmbeddings,
-    PendingEmbeddings as PendingEmbeddings,
     ReceivedEmbeddings as ReceivedEmbeddings,
     ReceiverStats as ReceiverStats,
 )
+from ._receiver import EmbeddingReceiver as EmbeddingReceiver
 
 __all__ = (
     "EncoderClient",

@@ -11,8 +11,10 @@ from .._errors import RequestTimeoutError
 from .._modality import Modality
 from ._client import EncoderClient
 from ._groups import first_error
+from ._pending import PendingEmbeddings
 from ._plan import PartPlan
-from ._receiver import EmbeddingReceiver, PendingEmbeddings, ReceivedEmbeddings
+from ._received import ReceivedEmbeddings
+from ._receiver import EmbeddingReceiver
 
 __all__ = ["fetch_embeddings"]
 

@@ -1,0 +1,149 @@
+"""Checking what encoders say about a part against the request's plan and the receiver.
+
+Pure functions, no state: a part's ``/encode`` answer (:class:`PartMetadata`) and its ZMQ
+header (:class:`EmbeddingHeader`) must each fit the plan and the receiver's width and
+dtype, and must agree with each other. Every rejection is a :class:`BadRequestError` that
+names the field. Checks against what already arrived (repeats) stay with the request's
+landing state; ``where`` names the message in every error.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._errors import (
+    BadRequestError,
+    EncdisaggError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
+from ..transfer import dtype_name
+from ._plan import part_req_id
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..transfer import EmbeddingHeader
+    from ._messages import PartMetadata
+    from ._plan import RequestPlan
+
+__all__ = [
+    "check_agreement",
+    "check_header_ids",
+    "check_header_payload",
+    "check_metadata_ids",
+    "check_metadata_size",
+    "check_part_index",
+    "encoder_error",
+]
+
+
+def check_part_index(plan: RequestPlan, part_idx: int, where: str) -> None:
+    """:raises BadRequestError: ``part_idx`` is not one of the plan's parts."""
+    if not 0 <= part_idx < plan.num_parts:
+        raise BadRequestError(
+            f"{where}: part {part_idx} is outside the {plan.num_parts} parts of "
+            f"request {plan.rid!r}",
+            req_id=plan.rid,
+        )
+
+
+def check_metadata_ids(plan: RequestPlan, metadata: PartMetadata, where: str) -> None:
+    """:raises BadRequestError: the answer is for another part, or for no part of the plan."""
+    check_part_index(plan, metadata.part_idx, where)
+    expected_id = part_req_id(plan.rid, metadata.part_idx)
+    if metadata.req_id != expected_id:
+        raise BadRequestError(f"{where}: req_id must be {expected_id!r}", req_id=plan.rid)
+
+
+def check_metadata_size(
+    plan: RequestPlan,
+    metadata: PartMetadata,
+    where: str,
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+    itemsize: int,
+) -> None:
+    """:raises BadRequestError: a hidden size the receiver does not take, or a byte size
+    that does not fit the shape."""
+    if metadata.embedding_dim != hidden_size:
+        raise BadRequestError(
+            f"{where}: embedding_dim is {metadata.embedding_dim}, the receiver takes {hidden_size}",
+            req_id=plan.rid,
+        )
+    expected = metadata.embedding_len * metadata.embedding_dim * itemsize
+    if metadata.embedding_size != expected:
+        raise BadRequestError(
+            f"{where}: embedding_size is {metadata.embedding_size} bytes; "
+            f"{metadata.embedding_len} x {metadata.embedding_dim} of "
+            f"{dtype_name(dtype)} take {expected}",
+            req_id=plan.rid,
+        )
+
+
+def check_header_ids(plan: RequestPlan, header: EmbeddingHeader, where: str) -> None:
+    """:raises BadRequestError: the header's part count, index or id does not fit the plan."""
+    if header.num_parts != plan.num_parts:
+        raise BadRequestError(
+            f"{where}: num_parts is {header.num_parts}, request {plan.rid!r} has {plan.num_parts}",
+            req_id=plan.rid,
+        )
+    check_part_index(plan, header.part_idx, where)
+    if header.req_id != part_req_id(plan.rid, header.part_idx):
+        raise BadRequestError(f"{where}: req_id does not match part {header.part_idx}")
+
+
+def check_header_payload(
+    plan: RequestPlan,
+    header: EmbeddingHeader,
+    where: str,
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+) -> None:
+    """:raises BadRequestError: a data part's modality, dtype or hidden size is not what
+    the plan and the receiver take."""
+    planned = plan.parts[header.part_idx].modality
+    if header.modality != planned.value:
+        raise BadRequestError(
+            f"{where}: modality is {header.modality!r}, part {header.part_idx} is "
+            f"{planned.value!r}",
+            req_id=plan.rid,
+        )
+    if header.dtype != dtype_name(dtype):
+        raise BadRequestError(
+            f"{where}: dtype is {header.dtype!r}, the receiver takes {dtype_name(dtype)!r}",
+            req_id=plan.rid,
+        )
+    if header.shape[1] != hidden_size:
+        raise BadRequestError(
+            f"{where}: hidden size is {header.shape[1]}, the receiver takes {hidden_size}",
+            req_id=plan.rid,
+        )
+
+
+def check_agreement(header: EmbeddingHeader, metadata: PartMetadata) -> None:
+    """:raises BadRequestError: a part's ZMQ header and its ``/encode`` answer disagree."""
+    if (
+        header.shape != (metadata.embedding_len, metadata.embedding_dim)
+        or header.token_counts != metadata.token_counts
+        or header.grid != metadata.grid
+    ):
+        raise BadRequestError(
+            f"part {metadata.part_idx} ({metadata.req_id!r}): its ZMQ header (shape "
+            f"{list(header.shape)}, token_counts {list(header.token_counts)}) disagrees with its "
+            f"/encode answer ({metadata.embedding_len} x {metadata.embedding_dim}, "
+            f"token_counts {list(metadata.token_counts)})",
+            req_id=metadata.req_id,
+        )
+
+
+def encoder_error(plan: RequestPlan, header: EmbeddingHeader) -> EncdisaggError:
+    """The error an encoder's error part stands for, by its HTTP status (500 if none)."""
+    status = header.status or 500
+    message = f"encoder failed part {header.part_idx} of request {plan.rid!r}: {header.error}"
+    for cls in (BadRequestError, RequestTimeoutError, ServiceUnavailableError):
+        if cls.status == status:
+            return cls(message, req_id=plan.rid)
+    return EncdisaggError(message, req_id=plan.rid)
