@@ -11,13 +11,12 @@
 
 from types import FunctionType as _FunctionType
 
-from ._decode import (
-    DecodeHandle as DecodeHandle,
+from ._decode import DecodeHandle as DecodeHandle, DecodeWorker as DecodeWorker
+from ._decode_types import (
     DecodePhase as DecodePhase,
     DecodeResult as DecodeResult,
     DecodeStats as DecodeStats,
     DecodeStatus as DecodeStatus,
-    DecodeWorker as DecodeWorker,
 )
 from ._demo import (
     DemoOptions as DemoOptions,
@@ -38,12 +37,12 @@ from ._messages import (
     KVDestination as KVDestination,
     TransferDone as TransferDone,
 )
-from ._prefill import (
+from ._prefill import PrefillWorker as PrefillWorker
+from ._prefill_types import (
     PipelineRequest as PipelineRequest,
     PrefillReport as PrefillReport,
     PrefillStats as PrefillStats,
     PrefillStatus as PrefillStatus,
-    PrefillWorker as PrefillWorker,
 )
 from ._serve import serve_asgi as serve_asgi
 

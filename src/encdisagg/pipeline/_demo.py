@@ -28,16 +28,12 @@ from .._config import EncoderConfig
 from .._errors import BadRequestError
 from ..nurseries import run_thread_to_completion
 from ..receiver import EmbeddingReceiver, EncoderClient
-from ._decode import DecodePhase, DecodeResult, DecodeStats, DecodeStatus, DecodeWorker
+from ._decode import DecodeWorker
+from ._decode_types import DecodePhase, DecodeResult, DecodeStats, DecodeStatus
 from ._images import DemoImage, demo_images
 from ._lm import LanguageModel
-from ._prefill import (
-    PipelineRequest,
-    PrefillReport,
-    PrefillStats,
-    PrefillStatus,
-    PrefillWorker,
-)
+from ._prefill import PrefillWorker
+from ._prefill_types import PipelineRequest, PrefillReport, PrefillStats, PrefillStatus
 from ._progress import ProgressBar
 from ._serve import serve_asgi
 

@@ -13,25 +13,21 @@ Per request, in its caller's task (:meth:`PrefillWorker.prefill`):
    drained-ack of the abort's generation once the last write returned.
 
 The staging pages and row are owned by the request's call and freed when it returns, which is
-after every write that reads them ended.
+after every write that reads them ended. Packing and writing live in :mod:`._kv_writer`, what
+an abort does to a request in :mod:`._prefill_aborts`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
 
 from .._errors import (
-    BadRequestError,
     EncdisaggError,
     InternalError,
     RequestNotActiveError,
@@ -39,10 +35,9 @@ from .._errors import (
     ServiceUnavailableError,
 )
 from .._modality import Modality
-from ..decode import KVPagePool, MetadataSlotAllocator, MetadataSlotTable
 from ..nurseries import run_thread_to_completion
 from ..receiver import EmbeddingReceiver, EncoderClient, fetch_embeddings
-from ._decode import ROPE_DELTA_WORD, SEQ_LEN_WORD
+from ._kv_writer import KVPageWriter, StagedKV
 from ._lm import LanguageModel, PrefillResult
 from ._messages import (
     AbortRequest,
@@ -53,103 +48,15 @@ from ._messages import (
     PrefillMessage,
     TransferDone,
 )
+from ._prefill_aborts import AbortTombstones, PrefillJob
+from ._prefill_types import PipelineRequest, PrefillReport, PrefillStats, PrefillStatus
 
 if TYPE_CHECKING:
     from ..transfer import TransferEngine
 
-__all__ = [
-    "PipelineRequest",
-    "PrefillReport",
-    "PrefillStats",
-    "PrefillStatus",
-    "PrefillWorker",
-]
+__all__ = ["PrefillWorker"]
 
 _log = logging.getLogger("encdisagg.pipeline")
-
-#: Aborts remembered for requests that have not started here yet.
-_TOMBSTONES: Final = 10_000
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineRequest:
-    """One request of the pipeline: a prompt about some images."""
-
-    rid: str
-    #: The bootstrap room prefill and decode know the request by (unique, non-zero).
-    room: int
-    prompt: str
-    #: Media items the encoders accept (data URLs, base64, URLs they may fetch).
-    images: tuple[str, ...]
-    max_new_tokens: int
-
-
-class PrefillStatus(enum.Enum):
-    #: Every KV byte and the metadata row landed in decode's memory.
-    DONE = "done"
-    #: Decode aborted; writes stopped and (if pages were out) the drain was acked.
-    ABORTED = "aborted"
-    #: Something failed here; decode was told.
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillReport:
-    """How a request went on the prefill side. Times are ``anyio.current_time()`` readings."""
-
-    rid: str
-    status: PrefillStatus
-    error: str = ""
-    seq_len: int = 0
-    first_token: int = 0
-    #: Checksum of the KV pages as written (what decode must find).
-    checksum: int = 0
-    image_tokens: tuple[int, ...] = ()
-    started_at: float = 0.0
-    embedded_at: float | None = None
-    prefilled_at: float | None = None
-    written_at: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillStats:
-    """A snapshot of the worker. ``live`` is zero and the free counts equal their totals
-    when it is idle."""
-
-    live: int
-    done: int
-    aborted: int
-    failed: int
-    #: Aborts that found the write thread running: it stopped between pages.
-    writes_stopped: int
-    #: Drained-acks sent, each after its request's last write returned.
-    acks_sent: int
-    staging_pages_free: int
-    staging_pages: int
-    staging_rows_free: int
-    staging_rows: int
-
-
-@dataclass(eq=False)
-class _Job:
-    request: PipelineRequest
-    #: Cancelled by an abort while nothing is being written.
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    aborted: bool = False
-    #: The generation of decode's abort, once one carried it: ack it after the last write.
-    generation: int | None = None
-    destination: KVDestination | None = None
-    destination_ready: anyio.Event = field(default_factory=anyio.Event)
-    #: True while the write thread runs: then an abort only raises ``stop``.
-    writing: bool = False
-    stop: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass(eq=False, slots=True)
-class _Staged:
-    pages: tuple[int, ...]
-    row: int
-    checksum: int = 0
 
 
 class PrefillWorker(anyio.AsyncContextManagerMixin):
@@ -196,17 +103,23 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
         self.engine = engine
         self.rank = rank
         self.page_bytes = page_bytes
-        self.staging = KVPagePool(staging_pages, page_bytes)
-        self.rows = MetadataSlotTable(staging_rows)
-        self.row_slots = MetadataSlotAllocator(staging_rows, zero_slot=self.rows.zero)
+        self._writer = KVPageWriter(
+            lm,
+            engine,
+            page_bytes=page_bytes,
+            staging_pages=staging_pages,
+            staging_rows=staging_rows,
+            staging_timeout_s=staging_timeout_s,
+        )
+        self.staging = self._writer.staging
+        self.rows = self._writer.rows
+        self.row_slots = self._writer.row_slots
         self._fetch_timeout_s = fetch_timeout_s
         self._destination_timeout_s = destination_timeout_s
-        self._staging_timeout_s = staging_timeout_s
         self._close_timeout_s = close_timeout_s
         self._decode: Callable[[DecodeMessage], None] | None = None
-        self._jobs: dict[int, _Job] = {}
-        self._tombstones: OrderedDict[int, int | None] = OrderedDict()
-        self._space = anyio.Event()
+        self._jobs: dict[int, PrefillJob] = {}
+        self._tombstones = AbortTombstones()
         self._idle = anyio.Event()
         self._compute = anyio.CapacityLimiter(1)
         self._open = False
@@ -241,16 +154,9 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
                 self.acks_sent += 1
             else:
                 # It may not have started here yet: remember, bounded.
-                self._tombstones[message.room] = message.generation
-                while len(self._tombstones) > _TOMBSTONES:
-                    self._tombstones.popitem(last=False)
+                self._tombstones.remember(message.room, message.generation)
             return
-        job.aborted = True
-        if message.generation is not None:
-            job.generation = message.generation
-        job.stop.set()
-        if not job.writing:
-            job.scope.cancel()
+        job.abort(message.generation)
 
     def _send(self, message: DecodeMessage) -> None:
         if self._decode is None:
@@ -282,20 +188,14 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
     async def __asynccontextmanager__(self) -> AsyncGenerator[PrefillWorker]:
         if self._open:
             raise RuntimeError("a PrefillWorker is entered once at a time")
-        async with (
-            self.staging.registered(self.engine),
-            self.rows.registered(self.engine),
-        ):
+        async with self._writer.registered():
             self._open = True
             try:
                 yield self
             finally:
                 self._open = False
                 for job in list(self._jobs.values()):
-                    job.aborted = True
-                    job.stop.set()
-                    if not job.writing:
-                        job.scope.cancel()
+                    job.abort(None)
                 if self._jobs:
                     self._idle = anyio.Event()
                     with anyio.move_on_after(self._close_timeout_s, shield=True):
@@ -319,13 +219,10 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
         room = request.room
         if room in self._jobs:
             raise RequestNotActiveError(f"room {room} is in use", req_id=request.rid)
-        job = _Job(request)
+        job = PrefillJob(request)
         self._jobs[room] = job
         if room in self._tombstones:
-            generation = self._tombstones.pop(room)
-            job.aborted = True
-            job.generation = generation
-            job.scope.cancel()
+            job.abort(self._tombstones.pop(room))
         report = PrefillReport(request.rid, PrefillStatus.FAILED, "not run")
         try:
             report = await self._run(job)
@@ -343,27 +240,29 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
                 self._idle.set()
         return report
 
-    async def _run(self, job: _Job) -> PrefillReport:
+    async def _run(self, job: PrefillJob) -> PrefillReport:
         request = job.request
         started = anyio.current_time()
         times: dict[str, float] = {}
         result: PrefillResult | None = None
         image_tokens: tuple[int, ...] = ()
-        staged: _Staged | None = None
+        staged: StagedKV | None = None
         try:
             with job.scope:
                 result, image_tokens = await self._embed_and_prefill(job, times)
-                staged = await self._stage(job, result)
+                staged = await self._writer.stage(request, result)
                 self._send(BootstrapInfo(request.rid, request.room, result.seq_len, self.rank))
                 destination = await self._wait_destination(job)
-                self._check_destination(destination, staged)
+                self._writer.check_destination(destination, staged)
                 # From here on an abort only stops the writer between pages.
                 job.writing = True
             if job.aborted or staged is None or result is None:
                 return self._report(
                     job, PrefillStatus.ABORTED, started, times, result, image_tokens
                 )
-            wrote_all = await run_thread_to_completion(self._write, job, staged, job.destination)
+            wrote_all = await run_thread_to_completion(
+                self._writer.write, staged, job.destination, job.stop
+            )
             times["written"] = anyio.current_time()
             if not wrote_all:
                 self._writes_stopped += 1
@@ -386,10 +285,10 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
         finally:
             job.writing = False
             if staged is not None:
-                self._unstage(staged)
+                self._writer.unstage(staged)
 
     async def _embed_and_prefill(
-        self, job: _Job, times: dict[str, float]
+        self, job: PrefillJob, times: dict[str, float]
     ) -> tuple[PrefillResult, tuple[int, ...]]:
         request = job.request
         lm = self.lm
@@ -417,70 +316,7 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
         times["prefilled"] = anyio.current_time()
         return result, images.token_counts
 
-    async def _stage(self, job: _Job, result: PrefillResult) -> _Staged:
-        """Take staging pages and a row, and pack the KV into them (worker thread)."""
-        nbytes = result.seq_len * self.lm.kv_bytes_per_token
-        count = max(1, -(-nbytes // self.page_bytes))
-        if count > self.staging.num_pages:
-            raise BadRequestError(
-                f"request {job.request.rid!r}: {count} KV pages do not fit the "
-                f"{self.staging.num_pages} staging pages",
-                req_id=job.request.rid,
-            )
-        try:
-            with anyio.fail_after(self._staging_timeout_s):
-                while True:
-                    if self.staging.available() >= count and self.row_slots.available():
-                        pages = self.staging.alloc(count)
-                        row = self.row_slots.alloc()
-                        assert pages is not None
-                        assert row is not None
-                        break
-                    await self._space.wait()
-        except TimeoutError:
-            raise ServiceUnavailableError(
-                f"request {job.request.rid!r}: no staging pages within {self._staging_timeout_s} s",
-                req_id=job.request.rid,
-            ) from None
-        staged = _Staged(tuple(pages), row)
-        try:
-            staged.checksum = await run_thread_to_completion(self._pack, job, result, staged)
-        except BaseException:
-            self._unstage(staged)
-            raise
-        return staged
-
-    def _pack(self, job: _Job, result: PrefillResult, staged: _Staged) -> int:
-        blob = self.lm.pack_kv(result)
-        size = self.page_bytes
-        for index, page in enumerate(staged.pages):
-            view = self.staging.page(page)
-            view.zero_()
-            chunk = blob[index * size : (index + 1) * size]
-            view[: chunk.numel()] = chunk
-        checksum = self.staging.checksum(staged.pages)
-        self.rows.write(
-            staged.row,
-            room=job.request.room,
-            first_token_id=result.first_token,
-            cached_tokens=0,
-            checksum=checksum,
-        )
-        self.rows.rows[staged.row, ROPE_DELTA_WORD] = result.rope_delta
-        self.rows.rows[staged.row, SEQ_LEN_WORD] = result.seq_len
-        return checksum
-
-    def _unstage(self, staged: _Staged) -> None:
-        pages, staged.pages = staged.pages, ()
-        if pages:
-            self.staging.free(pages)
-        if staged.row >= 0:
-            row, staged.row = staged.row, -1
-            self.row_slots.free(row)
-        self._space.set()
-        self._space = anyio.Event()
-
-    async def _wait_destination(self, job: _Job) -> KVDestination:
+    async def _wait_destination(self, job: PrefillJob) -> KVDestination:
         try:
             with anyio.fail_after(self._destination_timeout_s):
                 await job.destination_ready.wait()
@@ -493,46 +329,9 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
         assert job.destination is not None
         return job.destination
 
-    def _check_destination(self, destination: KVDestination, staged: _Staged) -> None:
-        rid = destination.rid
-        if destination.page_bytes != self.page_bytes:
-            raise BadRequestError(
-                f"request {rid!r}: decode's pages are {destination.page_bytes} bytes, "
-                f"prefill's {self.page_bytes}",
-                req_id=rid,
-            )
-        if len(destination.page_addresses) != len(staged.pages):
-            raise BadRequestError(
-                f"request {rid!r}: decode gave {len(destination.page_addresses)} pages for "
-                f"{len(staged.pages)} pages of KV",
-                req_id=rid,
-            )
-        if destination.row_bytes != self.rows.row_bytes:
-            raise BadRequestError(f"request {rid!r}: metadata rows differ in size", req_id=rid)
-
-    def _write(self, job: _Job, staged: _Staged, destination: KVDestination | None) -> bool:
-        """Write the pages, then the metadata row (its room tag last). Worker thread.
-
-        Returns False if decode's abort stopped it (checked between writes).
-        """
-        assert destination is not None
-        engine = self.engine
-        session = destination.session_id
-        for page, address in zip(staged.pages, destination.page_addresses, strict=True):
-            if job.stop.is_set():
-                return False
-            engine.write(session, self.staging.page_address(page), address, self.page_bytes)
-        if job.stop.is_set():
-            return False
-        row = self.rows.row_address(staged.row)
-        tag = 8  # the room word leads the row
-        engine.write(session, row + tag, destination.row_address + tag, self.rows.row_bytes - tag)
-        engine.write(session, row, destination.row_address, tag)
-        return True
-
     def _report(
         self,
-        job: _Job,
+        job: PrefillJob,
         status: PrefillStatus,
         started: float,
         times: dict[str, float],

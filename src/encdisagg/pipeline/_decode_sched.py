@@ -1,0 +1,366 @@
+"""The decode worker's decisions: admission, aborts, and one scheduling pass at a time.
+
+Everything here is synchronous and never awaits, so the state is consistent at every
+checkpoint of the worker around it. A pass (:meth:`DecodeScheduler.tick`) works the decode
+side's queues in the order the decode docs prescribe: handle prefill's messages, resolve held
+releases, preallocate and hand the pages to prefill, pop what transferred. It returns the
+requests whose KV was committed; the worker decodes them and hands each back through
+:meth:`DecodeScheduler.decode_ended`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
+from ..decode import (
+    AbortAckTracker,
+    CommitStatus,
+    DecodePreallocQueue,
+    DecodeRequest,
+    DecodeTransferQueue,
+    KVPagePool,
+    KVPoll,
+    MetadataSlotAllocator,
+    MetadataSlotTable,
+    PagedKVSink,
+    PreallocRequest,
+)
+from ._decode_types import DecodeJob, DecodePhase, DecodeResult, DecodeStats, DecodeStatus
+from ._messages import (
+    AbortRequest,
+    BootstrapInfo,
+    DecodeMessage,
+    DrainedAck,
+    KVDestination,
+    PrefillMessage,
+)
+from ._rows import ROPE_DELTA_WORD, SEQ_LEN_WORD
+
+if TYPE_CHECKING:
+    from ..transfer import TransferEngine
+
+__all__ = ["DecodeScheduler"]
+
+_log = logging.getLogger("encdisagg.pipeline")
+
+
+class _PipelineSink(PagedKVSink):
+    """Commits also read the pipeline's extra row words (RoPE offset, prompt length) before
+    the transfer queue zeroes the slot."""
+
+    def __init__(self, scheduler: DecodeScheduler) -> None:
+        super().__init__(scheduler.pool, scheduler.table, on_abort=scheduler._on_sink_abort)
+        self._scheduler = scheduler
+        self.corrupt = 0
+
+    def commit(self, req: DecodeRequest) -> CommitStatus:
+        status = super().commit(req)
+        if status is CommitStatus.CORRUPT:
+            self.corrupt += 1
+        elif status is CommitStatus.COMMITTED:
+            assert req.metadata_slot is not None
+            assert req.metadata is not None
+            row = self.table.rows[req.metadata_slot]
+            self._scheduler._on_commit(req, int(row[ROPE_DELTA_WORD]), int(row[SEQ_LEN_WORD]))
+        return status
+
+
+class DecodeScheduler:
+    """The state and decisions of a :class:`~encdisagg.pipeline.DecodeWorker`.
+
+    ``wake`` is set whenever there is something for the next pass to do; the worker waits on
+    it (or on the transfer queue's next deadline) between passes and replaces it after.
+
+    :param kv_bytes_per_token: KV bytes one prompt token takes (sizes a request's pages).
+    :param engine: the engine the pages are registered with (its session goes to prefill).
+    """
+
+    def __init__(
+        self,
+        *,
+        kv_bytes_per_token: int,
+        engine: TransferEngine,
+        page_bytes: int,
+        num_pages: int,
+        metadata_slots: int,
+        release_timeout_s: float,
+    ) -> None:
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.engine = engine
+        self.page_bytes = page_bytes
+        self.pool = KVPagePool(num_pages, page_bytes)
+        self.table = MetadataSlotTable(metadata_slots)
+        self.slots = MetadataSlotAllocator(metadata_slots, zero_slot=self.table.zero)
+        self.acks = AbortAckTracker()
+        self.sink = _PipelineSink(self)
+        self.prealloc = DecodePreallocQueue(pages=self.pool, slots=self.slots)
+        self.transfer = DecodeTransferQueue(
+            kv=self.sink,
+            slots=self.slots,
+            acks=self.acks,
+            release_timeout_s=release_timeout_s,
+            clock=anyio.current_time,
+        )
+        self.jobs: dict[str, DecodeJob] = {}
+        self.wake = anyio.Event()
+        #: Committed requests being decoded (their pages are theirs until it ends).
+        self.decoding = 0
+        self._prefill: Callable[[PrefillMessage], None] | None = None
+        self._polls: dict[str, KVPoll] = {}
+        self._inbox: deque[DecodeMessage] = deque()
+        self._counts = dict.fromkeys(DecodeStatus, 0)
+        self._held_releases = 0
+        self._drained = 0
+        self._timed_out = 0
+
+    # -- wiring ------------------------------------------------------------------------------
+
+    def connect(self, deliver: Callable[[PrefillMessage], None]) -> None:
+        self._prefill = deliver
+
+    def deliver(self, message: DecodeMessage) -> None:
+        self._inbox.append(message)
+        self.poke()
+
+    def poke(self) -> None:
+        self.wake.set()
+
+    def _send(self, message: PrefillMessage) -> None:
+        if self._prefill is None:
+            raise ServiceUnavailableError("the decode worker is not connected to a prefill worker")
+        self._prefill(message)
+
+    # -- the caller's side -------------------------------------------------------------------
+
+    def admit(self, rid: str, room: int, *, max_new_tokens: int) -> DecodeJob:
+        """Register ``rid``; see :meth:`~encdisagg.pipeline.DecodeWorker.admit`."""
+        if rid in self.jobs:
+            raise RequestNotActiveError(f"request {rid!r} is live already", req_id=rid)
+        if isinstance(room, bool) or not isinstance(room, int) or room <= 0:
+            raise BadRequestError(f"room must be a positive integer; got {room!r}", req_id=rid)
+        if any(job.room == room for job in self.jobs.values()):
+            raise BadRequestError(f"room {room} is in use", req_id=rid)
+        job = DecodeJob(rid, room, max_new_tokens, started_at=anyio.current_time())
+        self.jobs[rid] = job
+        return job
+
+    def abort(self, rid: str) -> None:
+        """Abort ``rid``; see :meth:`~encdisagg.pipeline.DecodeWorker.abort`."""
+        job = self.jobs.get(rid)
+        if job is None or job.aborted or job.phase is DecodePhase.DONE:
+            return
+        job.aborted = True
+        phase = job.phase
+        if phase is DecodePhase.WAITING:
+            self._send(AbortRequest(rid, job.room, None))
+            self.finish(job, DecodeStatus.ABORTED, "aborted before prefill finished")
+        elif phase is DecodePhase.PREALLOC:
+            self._send(AbortRequest(rid, job.room, None))
+            self._polls[rid] = KVPoll.Failed
+        elif phase is DecodePhase.TRANSFER:
+            req = job.req
+            assert req is not None
+            # Arm before sending: an ack that races ahead of the scheduler still counts.
+            req.generation = self.acks.arm(req.room)
+            self._send(AbortRequest(rid, req.room, req.generation))
+            req.abort_notified = True
+            self._polls[rid] = KVPoll.Failed
+        elif phase is DecodePhase.DECODING:
+            job.stop.set()
+        self.poke()
+
+    def is_idle(self) -> bool:
+        return not (
+            self.jobs
+            or self.prealloc.queue
+            or self.transfer.queue
+            or self.transfer.deferred
+            or self.decoding
+        )
+
+    def stats(self) -> DecodeStats:
+        pool_free = self.pool.available()
+        held = len(self.transfer.deferred)
+        in_use = self.pool.num_pages - pool_free
+        # Pages owned by live work: queued, held, or decoding.
+        owned = sum(len(r.pages) for r in self.transfer.queue) + sum(
+            len(r.pages) for r in self.transfer.deferred
+        )
+        owned += sum(
+            len(job.req.pages)
+            for job in self.jobs.values()
+            if job.req is not None and job.phase is DecodePhase.DECODING
+        )
+        return DecodeStats(
+            live=len(self.jobs),
+            prealloc_queued=len(self.prealloc.queue),
+            transfer_queued=len(self.transfer.queue),
+            held=held,
+            decoding=self.decoding,
+            leaked_pages=max(0, in_use - owned),
+            pages_free=pool_free,
+            pages_total=self.pool.num_pages,
+            slots_free=self.slots.available(),
+            slots_total=self.slots.size,
+            completed=self._counts[DecodeStatus.COMPLETED],
+            aborted=self._counts[DecodeStatus.ABORTED],
+            failed=self._counts[DecodeStatus.FAILED],
+            corrupt=self.sink.corrupt,
+            held_releases=self._held_releases,
+            drained_releases=self._drained,
+            timed_out_releases=self._timed_out,
+            release_failures=self.transfer.release_failures,
+        )
+
+    # -- one pass ----------------------------------------------------------------------------
+
+    def tick(self) -> list[DecodeJob]:
+        """One scheduling pass; returns the requests to decode now (counted in ``decoding``)."""
+        while self._inbox:
+            self._handle(self._inbox.popleft())
+        self._resolve_held()
+        passed = self.prealloc.pop_preallocated(self._polls)
+        for gone in passed.failed:
+            job = self.jobs.get(gone.rid)
+            if job is not None:
+                self.finish(job, *self._failure(job, "prefill failed before KV pages were given"))
+        for req in passed.preallocated:
+            job = self.jobs.get(req.rid)
+            assert job is not None
+            job.req = req
+            job.advance(DecodePhase.TRANSFER)
+            self.transfer.add(req)
+            self._polls[req.rid] = KVPoll.Transferring
+            self._send(
+                KVDestination(
+                    rid=req.rid,
+                    room=req.room,
+                    session_id=self.engine.session_id,
+                    page_bytes=self.page_bytes,
+                    page_addresses=tuple(self.pool.page_address(p) for p in req.pages),
+                    row_address=self.table.row_address(req.metadata_slot or 0),
+                    row_bytes=self.table.row_bytes,
+                )
+            )
+        held_before = len(self.transfer.held)
+        committed = self.transfer.pop_transferred(self._polls)
+        self._held_releases += len(self.transfer.held) - held_before
+        to_decode: list[DecodeJob] = []
+        for req in committed:
+            job = self.jobs.get(req.rid)
+            if job is None or job.phase is DecodePhase.DONE:
+                # Finished meanwhile (cannot happen: an abort sets Failed first); free it.
+                self.sink.release(req)
+                continue
+            self._polls.pop(req.rid, None)
+            job.advance(DecodePhase.DECODING)
+            self.decoding += 1
+            to_decode.append(job)
+        return to_decode
+
+    def _resolve_held(self) -> None:
+        held = {id(entry.req): entry.deadline for entry in self.transfer.held}
+        if not held:
+            return
+        now = anyio.current_time()
+        for req in self.transfer.resolve_deferred_releases():
+            if now < held[id(req)]:
+                self._drained += 1
+            else:
+                self._timed_out += 1
+
+    def _handle(self, message: DecodeMessage) -> None:
+        if isinstance(message, DrainedAck):
+            self.acks.ack(message.room, message.rank, message.generation)
+            return
+        job = self.jobs.get(message.rid)
+        if job is None or job.room != message.room or job.phase is DecodePhase.DONE:
+            return
+        if isinstance(message, BootstrapInfo):
+            if job.phase is not DecodePhase.WAITING or job.aborted:
+                return
+            job.seq_len = message.seq_len
+            pages = max(1, -(-message.seq_len * self.kv_bytes_per_token // self.page_bytes))
+            try:
+                self.prealloc.add(PreallocRequest(job.rid, job.room, pages, required_acks=1))
+            except BadRequestError as exc:
+                self._send(AbortRequest(job.rid, job.room, None))
+                self.finish(job, DecodeStatus.FAILED, exc.message)
+                return
+            self._polls[job.rid] = KVPoll.WaitingForInput
+            job.advance(DecodePhase.PREALLOC)
+            return
+        # TransferDone
+        if job.phase is DecodePhase.WAITING:
+            if not message.ok:
+                self.finish(job, DecodeStatus.FAILED, message.error)
+            return
+        if job.phase in (DecodePhase.PREALLOC, DecodePhase.TRANSFER) and not job.aborted:
+            if not message.ok:
+                job.error = message.error
+            self._polls[job.rid] = KVPoll.Success if message.ok else KVPoll.Failed
+
+    def _failure(self, job: DecodeJob, message: str) -> tuple[DecodeStatus, str]:
+        if job.aborted:
+            return DecodeStatus.ABORTED, "aborted"
+        return DecodeStatus.FAILED, job.error or message
+
+    def _on_sink_abort(self, req: DecodeRequest, message: str) -> None:
+        job = self.jobs.get(req.rid)
+        if job is not None and job.req is req:
+            self.finish(job, *self._failure(job, message))
+
+    def _on_commit(self, req: DecodeRequest, rope_delta: int, seq_len: int) -> None:
+        job = self.jobs.get(req.rid)
+        if job is None or job.req is not req or req.metadata is None:
+            return
+        job.rope_delta = rope_delta
+        job.first_token = req.metadata.first_token_id
+        job.checksum = req.metadata.checksum
+        job.first_token_at = anyio.current_time()
+        if seq_len != job.seq_len:
+            _log.warning(
+                "request %r: metadata says %d tokens, bootstrap said %d",
+                req.rid,
+                seq_len,
+                job.seq_len,
+            )
+
+    # -- endings -----------------------------------------------------------------------------
+
+    def finish(
+        self, job: DecodeJob, status: DecodeStatus, error: str = "", tokens: tuple[int, ...] = ()
+    ) -> None:
+        """Give ``job`` its result and wake its waiters; the first ending wins."""
+        if job.phase is DecodePhase.DONE:
+            return
+        job.result = DecodeResult(
+            rid=job.rid,
+            status=status,
+            tokens=tokens,
+            error=error,
+            checksum=job.checksum if status is DecodeStatus.COMPLETED else 0,
+            started_at=job.started_at,
+            first_token_at=job.first_token_at,
+            finished_at=anyio.current_time(),
+        )
+        self._counts[status] += 1
+        job.advance(DecodePhase.DONE)
+        self._polls.pop(job.rid, None)
+        if self.jobs.get(job.rid) is job:
+            del self.jobs[job.rid]
+        job.done.set()
+        self.poke()
+
+    def decode_ended(self, req: DecodeRequest) -> None:
+        """The decode of ``req`` ended (after :meth:`finish`): its committed pages go back at
+        once, since no writer is left."""
+        self.sink.release(req)
+        self.decoding -= 1
+        self.poke()
