@@ -19,13 +19,14 @@ from ._entry import (
     entry_header as entry_header,
     read_entry as read_entry,
 )
-from ._global import GlobalCache as GlobalCache, GlobalCacheStats as GlobalCacheStats
+from ._global import GlobalCache as GlobalCache
 from ._keys import (
     KeySpace as KeySpace,
     ModalityKeys as ModalityKeys,
     content_digest as content_digest,
 )
 from ._plan import ItemPlan as ItemPlan, Origin as Origin, relabel_items as relabel_items
+from ._stats import GlobalCacheStats as GlobalCacheStats
 from ._store import (
     EmbeddingStore as EmbeddingStore,
     MooncakeEmbeddingStore as MooncakeEmbeddingStore,

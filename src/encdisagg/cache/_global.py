@@ -10,124 +10,39 @@ Failure policy: the cache never fails a request. A lookup that fails or is late 
 its items misses; an entry that cannot be read is recomputed; an invalid entry is evicted
 and recomputed; a failed insert is logged and counted. After ``failures`` consecutive store
 failures a circuit breaker skips the tier for ``cooldown_s``, then lets one lookup probe it.
+
+This module holds that policy; the calls into the store live in ``_store_io`` and the store
+client's set-up and close in ``_connect``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import urllib.parse
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Final, Generic, TypeVar
+from typing import Final
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import torch
 
 from ..nurseries import ServiceTaskGroup, run_thread_to_completion
-from ..transfer import payload_view
 from ._breaker import BreakerState, CircuitBreaker
-from ._entry import CachedItem, InvalidEntryError, entry_header, read_entry
+from ._connect import StoreConnection
+from ._entry import CachedItem
+from ._stats import COUNTERS, EVENT_NAMES, GlobalCacheStats
 from ._store import EmbeddingStore, open_mooncake_store
+from ._store_io import LookupReport, NoAnswer, ask_bounded, lookup_entries, put_entry
 from ._url import GlobalCacheSettings
 
-__all__ = ["GlobalCache", "GlobalCacheStats"]
+__all__ = ["GlobalCache"]
 
 logger = logging.getLogger("encdisagg.cache")
-
-T = TypeVar("T")
 
 #: How long opening the cache waits for its first connection attempt; later attempts run
 #: in the background every ``cooldown_s``.
 CONNECT_WAIT_S: Final = 10.0
-#: Bound on the TCP reachability check made before each Mooncake setup (a setup against an
-#: unreachable master blocks for minutes).
-PROBE_TIMEOUT_S: Final = 2.0
-
-_COUNTERS: Final = (
-    "hits",
-    "misses",
-    "fallbacks",
-    "skipped",
-    "invalid",
-    "lookup_failures",
-    "fetch_failures",
-    "inserts",
-    "insert_failures",
-    "inserts_dropped",
-    "evictions",
-    "eviction_failures",
-    "connect_failures",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class GlobalCacheStats:
-    """Counters of one :class:`GlobalCache` since it opened (items, unless said otherwise)."""
-
-    #: Whether a store client is set up.
-    connected: bool
-    #: ``"closed"`` (in use), ``"open"`` (skipped) or ``"half_open"`` (probing).
-    breaker: str
-    #: How many times the breaker opened.
-    breaker_opens: int
-    #: Items served from the store.
-    hits: int
-    #: Items the store did not have.
-    misses: int
-    #: Items computed because a lookup or a fetch failed or was late.
-    fallbacks: int
-    #: Items not looked up: the breaker was open or the store not connected.
-    skipped: int
-    #: Entries found invalid (evicted and recomputed).
-    invalid: int
-    #: Lookup calls that failed or were late (each makes all its items fallbacks).
-    lookup_failures: int
-    #: Fetches that could not read some of the entries the lookup found.
-    fetch_failures: int
-    #: Entries stored.
-    inserts: int
-    #: Inserts the store failed.
-    insert_failures: int
-    #: Inserts not attempted: breaker not closed, not connected, or too many pending.
-    inserts_dropped: int
-    #: Invalid entries removed from the store.
-    evictions: int
-    #: Removals the store failed.
-    eviction_failures: int
-    #: Failed attempts to set up the store client.
-    connect_failures: int
-    #: Inserts and evictions waiting or running now.
-    pending: int
-
-
-class _NoAnswer(Exception):
-    """A store call failed, or did not answer in time."""
-
-
-@dataclass(eq=False)
-class _Answer(Generic[T]):
-    """The result box of one store call; written by its task, read by the waiting request."""
-
-    done: anyio.Event = field(default_factory=anyio.Event)
-    #: ``(value,)`` once the call returned.
-    value: tuple[T] | None = None
-    error: Exception | None = None
-    #: False once the request stopped waiting (timed out): the answer is then dropped.
-    waited_for: bool = True
-
-
-@dataclass(eq=False)
-class _LookupReport:
-    """What one lookup found, per key (built in the worker thread)."""
-
-    found: dict[str, CachedItem] = field(default_factory=dict)
-    absent: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    invalid: dict[str, str] = field(default_factory=dict)
-    fetch_error: Exception | None = None
 
 
 class GlobalCache(anyio.AsyncContextManagerMixin):
@@ -172,10 +87,8 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         self.settings = settings
         self._hidden_size = hidden_size
         self._dtype = dtype
-        self._open_store = open_store
         self._on_event = on_event
         self._on_breaker = on_breaker
-        self._close_timeout_s = close_timeout_s
         self._breaker = CircuitBreaker(
             threshold=settings.failures,
             cooldown_s=settings.cooldown_s,
@@ -183,12 +96,14 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         )
         self._lookup_limiter = anyio.CapacityLimiter(lookup_threads)
         self._background_limiter = anyio.CapacityLimiter(background_threads)
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._counts = dict.fromkeys(COUNTERS, 0)
         self._group: ServiceTaskGroup | None = None
-        # Set by the worker thread that set the client up (so a cancellation delivered
-        # after the setup returned cannot lose it); cleared, and closed, at exit.
-        self._store: EmbeddingStore | None = None
-        self._first_attempt = anyio.Event()
+        self._connection = StoreConnection(
+            settings,
+            open_store,
+            on_failure=functools.partial(self._count, "connect_failures", 1),
+            close_timeout_s=close_timeout_s,
+        )
         # Inserts and evictions waiting or running; `_idle` is set whenever it is 0.
         self._pending = 0
         self._idle = anyio.Event()
@@ -205,9 +120,9 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         try:
             async with ServiceTaskGroup("global embedding cache", logger=logger) as group:
                 self._group = group
-                group.start_soon(self._connect, name="global cache connect")
+                group.start_soon(self._connection.run, name="global cache connect")
                 with anyio.move_on_after(CONNECT_WAIT_S):
-                    await self._first_attempt.wait()
+                    await self._connection.first_attempt.wait()
                 try:
                     yield self
                 finally:
@@ -215,76 +130,13 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
                     # already in a worker thread finish first).
                     self._group = None
         finally:
-            await self._close_store()
-
-    async def _close_store(self) -> None:
-        store, self._store = self._store, None
-        if store is None:
-            return
-        with anyio.move_on_after(self._close_timeout_s, shield=True) as scope:
-            # Abandoning this one call on timeout is safe: the client holds no encoder memory
-            # (no registration, no pointer), so a close that outlives the bound only keeps
-            # its own resources a little longer. Against a dead master it can take many
-            # seconds, and shutdown should not wait for that.
-            await anyio.to_thread.run_sync(store.close, abandon_on_cancel=True)
-        if scope.cancelled_caught:
-            logger.warning(
-                "closing the global cache's store client took over %s s; left it closing",
-                self._close_timeout_s,
-            )
-
-    async def _connect(self) -> None:
-        try:
-            while not await self._try_connect():
-                self._first_attempt.set()
-                await anyio.sleep(self.settings.cooldown_s)
-        finally:
-            self._first_attempt.set()
-
-    async def _try_connect(self) -> bool:
-        problem = await self._probe()
-        if problem is None:
-            try:
-                await run_thread_to_completion(self._open_sync)
-            except Exception as exc:
-                problem = str(exc) or repr(exc)
-        if problem is not None:
-            self._count("connect_failures", 1)
-            logger.warning(
-                "global cache at %s is unavailable (%s); computing every item, retrying in %s s",
-                self.settings.master,
-                problem,
-                self.settings.cooldown_s,
-            )
-            return False
-        logger.info("global cache connected to master %s", self.settings.master)
-        return True
-
-    def _open_sync(self) -> None:
-        # Runs in a worker thread and records the client itself (see __init__).
-        self._store = self._open_store(self.settings)
-
-    async def _probe(self) -> str | None:
-        """Why the master or metadata server cannot be reached, or None."""
-        targets = [(self.settings.master_host, self.settings.master_port, "master")]
-        metadata = urllib.parse.urlsplit(self.settings.metadata)
-        if metadata.scheme in ("http", "https") and metadata.hostname:
-            port = metadata.port or (443 if metadata.scheme == "https" else 80)
-            targets.append((metadata.hostname, port, "metadata server"))
-        for host, port, what in targets:
-            try:
-                with anyio.fail_after(PROBE_TIMEOUT_S):
-                    stream = await anyio.connect_tcp(host, port)
-                await stream.aclose()
-            except (OSError, TimeoutError) as exc:
-                return f"cannot connect to the {what} at {host}:{port}: {exc or 'timed out'}"
-        return None
+            await self._connection.aclose()
 
     # -- introspection -------------------------------------------------------------------------
 
     @property
     def connected(self) -> bool:
-        return self._store is not None
+        return self._connection.store is not None
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -313,7 +165,7 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
             return
         self._counts[counter] += n
         if self._on_event is not None:
-            self._on_event(_EVENT_NAMES[counter], n)
+            self._on_event(EVENT_NAMES[counter], n)
 
     def _report(self, changed: BreakerState | None) -> None:
         if changed is None:
@@ -332,14 +184,14 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         self._report(self._breaker.record_success() if ok else self._breaker.record_failure())
 
     def _usable(self) -> EmbeddingStore | None:
-        store = self._store
+        store = self._connection.store
         if store is None or self._group is None:
             return None
         allowed, changed = self._breaker.allow()
         self._report(changed)
         return store if allowed else None
 
-    def _settle_lookup(self, report: _LookupReport) -> dict[str, CachedItem]:
+    def _settle_lookup(self, report: LookupReport) -> dict[str, CachedItem]:
         self._count("hits", len(report.found))
         self._count("misses", len(report.absent))
         self._count("fallbacks", len(report.failed))
@@ -359,7 +211,7 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         self._record(report.fetch_error is None and not (fetched and len(report.failed) == fetched))
         return report.found
 
-    def _lookup_failed(self, keys: Sequence[str], exc: _NoAnswer) -> None:
+    def _lookup_failed(self, keys: Sequence[str], exc: NoAnswer) -> None:
         self._count("lookup_failures", 1)
         self._count("fallbacks", len(keys))
         logger.warning(
@@ -385,71 +237,20 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         if store is None:
             self._count("skipped", len(wanted))
             return {}
+        lookup = functools.partial(lookup_entries, hidden_size=self._hidden_size, dtype=self._dtype)
         try:
-            report = await self._ask(self._lookup_sync, store, wanted)
-        except _NoAnswer as exc:
+            report = await ask_bounded(
+                self._group,
+                lookup,
+                store,
+                wanted,
+                limiter=self._lookup_limiter,
+                timeout_ms=self.settings.timeout_ms,
+            )
+        except NoAnswer as exc:
             self._lookup_failed(wanted, exc)
             return {}
         return self._settle_lookup(report)
-
-    def _lookup_sync(self, store: EmbeddingStore, keys: list[str]) -> _LookupReport:
-        # Runs in a worker thread: existence first, then one batched read of the hits.
-        report = _LookupReport()
-        present = store.exists(keys)
-        hits = [key for key, there in zip(keys, present, strict=True) if there]
-        report.absent = [key for key, there in zip(keys, present, strict=True) if not there]
-        if not hits:
-            return report
-        try:
-            values = store.fetch(hits)
-        except Exception as exc:
-            report.fetch_error = exc
-            report.failed = hits
-            return report
-        for key, raw in zip(hits, values, strict=True):
-            if raw is None:
-                report.failed.append(key)
-                continue
-            try:
-                report.found[key] = read_entry(raw, hidden=self._hidden_size, dtype=self._dtype)
-            except InvalidEntryError as exc:
-                report.invalid[key] = str(exc)
-        return report
-
-    async def _ask(self, func: Callable[..., T], *args: object) -> T:
-        """Run ``func(*args)`` in a worker thread as a task of the cache; wait for its answer
-        at most ``timeout_ms``. The call itself is never abandoned.
-
-        :raises _NoAnswer: if it raised, or did not answer in time.
-        """
-        group = self._group
-        if group is None:
-            raise _NoAnswer("the cache is closing")
-        answer: _Answer[T] = _Answer()
-        group.start_soon(self._answer, answer, func, args, name="global cache lookup")
-        with anyio.move_on_after(self.settings.timeout_s):
-            await answer.done.wait()
-        if not answer.done.is_set():
-            answer.waited_for = False
-            raise _NoAnswer(f"no answer within {self.settings.timeout_ms} ms")
-        if answer.value is None:
-            error = answer.error
-            raise _NoAnswer((str(error) or repr(error)) if error else "no answer") from error
-        return answer.value[0]
-
-    async def _answer(
-        self, answer: _Answer[T], func: Callable[..., T], args: tuple[object, ...]
-    ) -> None:
-        try:
-            answer.value = (
-                await run_thread_to_completion(func, *args, limiter=self._lookup_limiter),
-            )
-        except Exception as exc:
-            answer.error = exc
-            if not answer.waited_for:
-                logger.info("a late global cache lookup failed too: %s", exc)
-        finally:
-            answer.done.set()
 
     # -- inserts and evictions ------------------------------------------------------------------
 
@@ -477,7 +278,7 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
             )
             self._count("inserts_dropped", 1)
             return False
-        store = self._store
+        store = self._connection.store
         group = self._group
         if (
             store is None
@@ -492,7 +293,7 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
 
     def evict_soon(self, key: str) -> None:
         """Remove ``key`` from the store in the background. Not a checkpoint; never raises."""
-        store = self._store
+        store = self._connection.store
         group = self._group
         if store is None or group is None:
             return
@@ -521,7 +322,11 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
     async def _insert(self, store: EmbeddingStore, key: str, item: CachedItem) -> None:
         try:
             await run_thread_to_completion(
-                self._put_sync, store, key, item, limiter=self._background_limiter
+                functools.partial(put_entry, hidden_size=self._hidden_size, dtype=self._dtype),
+                store,
+                key,
+                item,
+                limiter=self._background_limiter,
             )
         except Exception as exc:
             self._count("insert_failures", 1)
@@ -530,16 +335,6 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         else:
             self._count("inserts", 1)
             self._record(True)
-
-    def _put_sync(self, store: EmbeddingStore, key: str, item: CachedItem) -> None:
-        # Runs in a worker thread. The payload view references `rows`, which keeps the
-        # memory alive for as long as the store reads it.
-        rows = item.rows.detach()
-        if rows.device.type != "cpu":
-            rows = rows.to("cpu")
-        rows = rows.contiguous()
-        header = entry_header(item.tokens, self._hidden_size, self._dtype, item.grid)
-        store.put(key, header, payload_view(rows))
 
     async def _evict(self, store: EmbeddingStore, key: str) -> None:
         try:
@@ -550,20 +345,3 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
             self._record(False)
         else:
             self._count("evictions", 1)
-
-
-_EVENT_NAMES: Final = {
-    "hits": "hit",
-    "misses": "miss",
-    "fallbacks": "fallback",
-    "skipped": "skipped",
-    "invalid": "invalid",
-    "lookup_failures": "lookup_failure",
-    "fetch_failures": "fetch_failure",
-    "inserts": "insert",
-    "insert_failures": "insert_failure",
-    "inserts_dropped": "insert_dropped",
-    "evictions": "eviction",
-    "eviction_failures": "eviction_failure",
-    "connect_failures": "connect_failure",
-}
