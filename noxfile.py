@@ -1,10 +1,14 @@
-"""Development sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s demo``, ``nox -s bench``.
+"""Development sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s demo``, ``nox -s bench``,
+``nox -s bench_peer`` (not run by default: it builds SGLang's venv to measure against).
 
 Every install goes through ``constraints.txt``: an unpinned torch can resolve to a multi-GB
 CUDA build, so torch is installed first, pinned, and every later install is constrained to it.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import nox
 
@@ -14,6 +18,7 @@ nox.options.sessions = ["tests", "lint"]
 
 PYTHON = "3.11"
 CONSTRAINTS = ("-c", "constraints.txt")
+ROOT = Path(__file__).resolve().parent
 
 
 def install_project(session: nox.Session, *extras: str) -> None:
@@ -51,3 +56,24 @@ def bench(session: nox.Session) -> None:
     """Run the benchmark suite; results land in benchmarks/results/."""
     install_project(session, "mooncake-cpu", "dev", "bench")
     session.run("python", "-m", "benchmarks", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
+@nox.session(python=PYTHON)
+def bench_peer(session: nox.Session) -> None:
+    """Our request lifecycle against SGLang 0.5.20's, interleaved; see docs/benchmarks.md.
+
+    SGLang's venv (about 3 GB, 5 minutes the first time) is built by the sibling script
+    ``../shared/peer/build_venv020.sh`` into ``$ENCDISAGG_PEER_VENV``, else into ``.nox/``.
+    """
+    build = ROOT.parent / "shared" / "peer" / "build_venv020.sh"
+    if not build.is_file():
+        session.error(f"no build_venv020.sh in ../shared/peer (looked for {build})")
+    peer_venv = os.environ.get("ENCDISAGG_PEER_VENV") or str(ROOT / ".nox" / "sglang-peer-020")
+    session.run("bash", str(build), peer_venv, external=True)
+    install_project(session, "bench")
+    session.run(
+        "python",
+        "benchmarks/bench_peer.py",
+        *session.posargs,
+        env={"ENCDISAGG_PEER_VENV": peer_venv, "HF_HUB_OFFLINE": "1"},
+    )
