@@ -296,3 +296,21 @@ async def test_a_late_ack_of_an_earlier_lifetime_does_not_release_a_reused_room(
         assert not leases.ack(77, 0, old_generations[0])
     assert leases.timeouts == 2
     assert pages.available() == 8
+
+
+async def test_a_lone_error_from_the_block_keeps_its_cause_and_context() -> None:
+    leases, pages = make_leases()
+
+    async def fail_in_the_block() -> None:
+        async with leases.lease("r", 8, num_pages=2, required_acks=1):
+            try:
+                raise OSError("the cause")
+            except OSError as cause:
+                raise ValueError("the transfer broke") from cause
+
+    with pytest.raises(ValueError, match="the transfer broke") as caught:
+        await fail_in_the_block()
+    assert isinstance(caught.value.__cause__, OSError)
+    # The lease's task group is not attached to the error as its context.
+    assert not isinstance(caught.value.__context__, BaseExceptionGroup)
+    assert pages.available() == 8

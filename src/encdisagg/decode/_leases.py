@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 import anyio
 
 from .._errors import RequestNotActiveError, ServiceUnavailableError
-from ..nurseries import OwningScope, open_owning_scope
+from ..nurseries import OwningScope, collapse_single_error, open_owning_scope
 from ._drain import DrainAcks
 from ._pages import PageSource
 from ._slots import MetadataSlotAllocator
@@ -232,8 +232,7 @@ class DecodeKVLeases:
             self.active += 1
             return lease
 
-        failure: BaseException | None = None
-        try:
+        with collapse_single_error():
             async with open_owning_scope(
                 acquire,
                 self._release,
@@ -243,13 +242,6 @@ class DecodeKVLeases:
             ) as scope:
                 lease._scope = scope
                 yield lease
-        except BaseExceptionGroup as group:
-            failure = _sole_error(group)
-            if failure is group:
-                raise
-        if failure is not None:
-            # Raised outside the handler, so it does not drag the group along as context.
-            raise failure
 
     async def _release(self, lease: KVLease) -> None:
         state = lease._state
@@ -318,16 +310,3 @@ class DecodeKVLeases:
                     self.drains.clear(lease.room, generation=lease.generation)
                 lease._state = LeaseState.RELEASED
                 self.active -= 1
-
-
-def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one error inside ``group`` (nested groups flattened), or ``group`` itself."""
-    leaves: list[BaseException] = []
-    pending: list[BaseException] = [group]
-    while pending:
-        exc = pending.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            pending.extend(exc.exceptions)
-        else:
-            leaves.append(exc)
-    return leaves[0] if len(leaves) == 1 else group

@@ -8,8 +8,15 @@ Free of torch, ZMQ and HTTP; each block is tested on its own, on asyncio and on 
 - :class:`KeyedRendezvous`: bounded waits for a key to be published, built on
   :class:`KeyedWakeups` (tasks parked per key until synchronous code wakes it).
 - :class:`ServiceTaskGroup`: background tasks whose failures are always observed.
+- :func:`sole_error` / :func:`collapse_single_error`: an exception group holding one error
+  leaves as that error, cause and traceback intact (:func:`leaf_exceptions` flattens groups).
 """
 
+from ._exception_groups import (
+    collapse_single_error as collapse_single_error,
+    leaf_exceptions as leaf_exceptions,
+    sole_error as sole_error,
+)
 from ._owning import (
     OwningScope as OwningScope,
     ReleaseFailedError as ReleaseFailedError,
@@ -34,6 +41,9 @@ __all__ = (
     "KeyedWakeups",
     "ServiceTaskGroup",
     "FailurePolicy",
+    "sole_error",
+    "collapse_single_error",
+    "leaf_exceptions",
 )
 
 for _name in __all__:

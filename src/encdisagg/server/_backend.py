@@ -11,8 +11,8 @@ import io
 import itertools
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from collections.abc import AsyncGenerator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,7 +23,7 @@ from .._config import EncoderConfig
 from .._errors import EncdisaggError, ServiceUnavailableError
 from ..encoder import Encoder, EncodeRequest, EncodeResult
 from ..models import NullVisionModel, VisionModel
-from ..nurseries import ServiceTaskGroup, run_thread_to_completion
+from ..nurseries import ServiceTaskGroup, collapse_single_error, run_thread_to_completion
 from ._messages import EncodeBody, MetadataBody, ReceiveUrlBody, SendBody
 from ._metrics import PROBING, EncoderMetrics, ServiceSnapshot
 
@@ -93,31 +93,6 @@ class Backend(Protocol):
     async def snapshot(self) -> ServiceSnapshot: ...
 
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    leaves: list[BaseException] = []
-    for inner in group.exceptions:
-        leaves.extend(_leaves(inner) if isinstance(inner, BaseExceptionGroup) else [inner])
-    return leaves
-
-
-@contextmanager
-def single_errors() -> Iterator[None]:
-    """Let an exception group holding exactly one error leave as that error.
-
-    Task groups wrap whatever crosses them (also an error raised in the ``async with``
-    body of a context manager that yields inside one); at the backends' boundary a lone
-    error is unwrapped, so callers catch what was raised. Groups of several errors, or
-    holding a cancellation, pass unchanged.
-    """
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaves = _leaves(group)
-        if len(leaves) == 1 and isinstance(leaves[0], Exception):
-            raise leaves[0] from None
-        raise
-
-
 def _probe_png(index: int) -> str:
     """A tiny PNG data URL whose pixels differ per probe, so no cache can answer it."""
     import base64
@@ -184,7 +159,7 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[LocalBackend]:
-        with single_errors():
+        with collapse_single_error():
             async with AsyncExitStack() as stack:
                 if not self.encoder.is_open:
                     await stack.enter_async_context(self.encoder)

@@ -49,8 +49,13 @@ from .._errors import (
     ServiceUnavailableError,
 )
 from ..encoder import EncodeResult
-from ..nurseries import KeyedRendezvous, ServiceTaskGroup, run_thread_to_completion
-from ._backend import HealthReport, single_errors
+from ..nurseries import (
+    KeyedRendezvous,
+    ServiceTaskGroup,
+    collapse_single_error,
+    run_thread_to_completion,
+)
+from ._backend import HealthReport
 from ._ipc import (
     ControlMessage,
     IpcSocket,
@@ -201,7 +206,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[DataParallelBackend]:
-        with single_errors():
+        with collapse_single_error():
             async with self._run():
                 yield self
 
