@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import logging
 
 import anyio
@@ -88,3 +89,24 @@ async def test_start_reports_readiness_and_early_failure() -> None:
         await services.start(fails_late)
         await anyio.wait_all_tasks_blocked()
         assert services.failure_count == 1
+
+
+async def test_starting_and_finishing_tasks_leaves_no_reference_cycles() -> None:
+    async def ready(*, task_status: anyio.abc.TaskStatus[int]) -> None:
+        task_status.started(1)
+
+    async with ServiceTaskGroup("test") as services:
+        # Warm up whatever the backend creates once (caches, the first task's machinery).
+        for _ in range(3):
+            await services.start(ready)
+        await anyio.wait_all_tasks_blocked()
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(100):
+                assert await services.start(ready) == 1
+            await anyio.wait_all_tasks_blocked()
+            unreachable = gc.collect()
+        finally:
+            gc.enable()
+    assert unreachable == 0

@@ -7,10 +7,10 @@ import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, final
 
 import anyio
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 __all__ = ["FailurePolicy", "ServiceTaskGroup"]
 
@@ -28,6 +28,26 @@ class FailurePolicy(enum.Enum):
     LOG = "log"
     #: Let it propagate: the group is cancelled and the error leaves ``async with``.
     PROPAGATE = "propagate"
+
+
+@final
+class _ForwardedStatus:
+    """The ``task_status`` a task started by :meth:`ServiceTaskGroup.start` gets: forwards
+    ``started()`` and remembers that it was called (the policy applies only after it).
+
+    One small object per start, and no closure: the success path leaves no reference cycle
+    for the garbage collector.
+    """
+
+    __slots__ = ("_status", "reported")
+
+    def __init__(self, status: TaskStatus[Any]) -> None:
+        self._status = status
+        self.reported = False
+
+    def started(self, value: Any = None) -> None:
+        self.reported = True
+        self._status.started(value)
 
 
 class ServiceTaskGroup(anyio.AsyncContextManagerMixin):
@@ -103,32 +123,30 @@ class ServiceTaskGroup(anyio.AsyncContextManagerMixin):
     ) -> Any:
         """Start ``func(*args, task_status=...)`` and wait until it reports ``started()``.
 
-        A failure before ``started()`` is raised to the caller; after it, the group's policy
-        applies.
+        A checkpoint. A failure before ``started()`` is raised to the caller; after it, the
+        group's policy applies. If the caller is cancelled while waiting, the task is cancelled.
         """
         task_name = _task_name(func, name)
-        policy = self.policy
+        return await self._require_group().start(
+            self._supervise_started, func, args, task_name, self.policy, name=task_name
+        )
 
-        async def supervised(*, task_status: anyio.abc.TaskStatus[Any]) -> None:
-            started = False
-
-            def report(value: Any = None) -> None:
-                nonlocal started
-                started = True
-                task_status.started(value)
-
-            class _Status:
-                def started(self, value: Any = None) -> None:
-                    report(value)
-
-            try:
-                await func(*args, task_status=_Status())
-            except Exception as exc:
-                if not started or policy is FailurePolicy.PROPAGATE:
-                    raise
-                self._record(task_name, exc)
-
-        return await self._require_group().start(supervised, name=task_name)
+    async def _supervise_started(
+        self,
+        func: Callable[..., Awaitable[Any]],
+        args: tuple[object, ...],
+        task_name: str,
+        policy: FailurePolicy,
+        *,
+        task_status: TaskStatus[Any],
+    ) -> None:
+        status = _ForwardedStatus(task_status)
+        try:
+            await func(*args, task_status=status)
+        except Exception as exc:
+            if not status.reported or policy is FailurePolicy.PROPAGATE:
+                raise
+            self._record(task_name, exc)
 
     async def _supervise(
         self,
