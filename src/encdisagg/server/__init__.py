@@ -11,7 +11,6 @@
 
 from ._app import (
     EncoderService as EncoderService,
-    ServerSettings as ServerSettings,
     create_app as create_app,
     create_trio_app as create_trio_app,
     mount_encoder as mount_encoder,
@@ -37,6 +36,7 @@ from ._metrics import (
     WorkerStatus as WorkerStatus,
 )
 from ._runner import bind_socket as bind_socket, serve as serve
+from ._settings import ServerSettings as ServerSettings
 
 __all__ = (
     "create_app",

@@ -15,7 +15,6 @@ import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, fields
 from typing import Any, Final, Literal
 
 import anyio
@@ -27,6 +26,7 @@ from .._errors import BadRequestError, EncdisaggError, ServiceUnavailableError
 from ..encoder import Encoder
 from ..nurseries import run_thread_to_completion
 from ._backend import Backend, LocalBackend
+from ._dp import DataParallelBackend
 from ._messages import (
     EncodeBody,
     MetadataBody,
@@ -36,10 +36,10 @@ from ._messages import (
     result_json,
 )
 from ._metrics import EncoderMetrics, ServerMetrics
+from ._settings import ServerSettings
 
 __all__ = [
     "EncoderService",
-    "ServerSettings",
     "create_app",
     "create_trio_app",
     "mount_encoder",
@@ -56,51 +56,6 @@ _THREAD_DECODE_BYTES: Final = 256 * 1024
 _DECODE_THREADS: Final = 2
 _PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
 _EXTENSION: Final = "encdisagg"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerSettings:
-    """How the server around the Encoder behaves (the Encoder itself: ``EncoderConfig``).
-
-    Invalid values raise :class:`~encdisagg.BadRequestError` naming the field.
-    """
-
-    #: Data-parallel worker processes; 1 runs the Encoder in the server's own process.
-    dp: int = 1
-    #: Largest request body accepted; larger ones are answered 413.
-    max_body_bytes: int = 256 * 1024 * 1024
-    #: Bound on one health probe encode.
-    health_timeout_s: float = 20.0
-    #: Bound on starting the data-parallel workers (each loads its model).
-    worker_start_timeout_s: float = 300.0
-    #: How long a stopping worker may drain before it is terminated (``None``: the
-    #: Encoder's ``shutdown_grace_s`` plus ``cleanup_timeout_s`` plus 5 s).
-    worker_stop_timeout_s: float | None = None
-    #: Event loop inside each worker: ``"asyncio"``, ``"trio"``, or ``None`` for the
-    #: front's own.
-    worker_backend: str | None = None
-    #: Calls one worker runs at once; more wait in its queue.
-    worker_max_inflight: int = 256
-    #: Log level of the workers.
-    worker_log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("dp", "max_body_bytes", "worker_max_inflight"):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise BadRequestError(f"{f.name} must be an integer >= 1; got {value!r}")
-            elif f.name.endswith("_s"):
-                if value is None and f.name == "worker_stop_timeout_s":
-                    continue
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                    raise BadRequestError(f"{f.name} must be a positive number; got {value!r}")
-        if self.worker_backend not in (None, "asyncio", "trio"):
-            raise BadRequestError(
-                f"worker_backend must be asyncio, trio or null; got {self.worker_backend!r}"
-            )
-        if self.worker_log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-            raise BadRequestError(f"worker_log_level is not a log level: {self.worker_log_level!r}")
 
 
 class EncoderService:
@@ -159,10 +114,8 @@ class EncoderService:
         """
         if self._backend is not None:
             raise RuntimeError("the encoder service is running already")
-        backend: LocalBackend | Any
+        backend: LocalBackend | DataParallelBackend
         if self.settings.dp > 1:
-            from ._dp import DataParallelBackend
-
             backend = DataParallelBackend(
                 self.config, workers=self.settings.dp, settings=self.settings
             )

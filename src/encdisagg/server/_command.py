@@ -22,9 +22,10 @@ import anyio.abc
 from .._config import EncoderConfig
 from .._errors import BadRequestError
 from ..models import BUILTIN_MODELS
-from ._app import ServerSettings, create_app
+from ._app import create_app
 from ._backend import SERVER_MODELS
 from ._runner import serve
+from ._settings import ServerSettings
 
 __all__ = ["run_serve"]
 
