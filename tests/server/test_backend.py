@@ -31,3 +31,11 @@ async def test_a_lone_error_in_the_block_leaves_as_itself_with_its_cause() -> No
             await _fail_inside(LocalBackend(encoder))
     assert isinstance(caught.value.__cause__, KeyError)
     assert not isinstance(caught.value.__context__, BaseExceptionGroup)
+
+
+async def test_a_lone_error_in_the_block_of_a_backend_built_from_a_config() -> None:
+    # Here the error also crosses the Encoder the backend opens (and its task group).
+    with pytest.raises(ValueError, match="raised in the block") as caught:
+        await _fail_inside(LocalBackend(fast_config(model="null")))
+    assert isinstance(caught.value.__cause__, KeyError)
+    assert not isinstance(caught.value.__context__, BaseExceptionGroup)

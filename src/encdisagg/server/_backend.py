@@ -163,12 +163,15 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
             async with AsyncExitStack() as stack:
                 if not self.encoder.is_open:
                     await stack.enter_async_context(self.encoder)
-                async with ServiceTaskGroup("health probes", logger=_log) as group:
-                    self._group = group
-                    try:
-                        yield self
-                    finally:
-                        self._group = None
+                # Unwrapped here too, so the Encoder's block sees the error itself and does
+                # not attach the probes' group to it as context when it unwraps its own.
+                with collapse_single_error():
+                    async with ServiceTaskGroup("health probes", logger=_log) as group:
+                        self._group = group
+                        try:
+                            yield self
+                        finally:
+                            self._group = None
 
     # -- the routes' calls ---------------------------------------------------------------------
 
