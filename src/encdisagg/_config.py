@@ -85,6 +85,11 @@ class EncoderConfig:
     prefix_cache_mb: int = 0
     #: Bound on staged embedding bytes; over it ``encode`` answers 503. ``None``: unbounded.
     staged_memory_limit_mb: int | None = None
+    #: Size of the staging arena registered once with the transfer engine (Mooncake and
+    #: loopback only); embeddings are staged into it without a registration per request.
+    #: ``None``: ``staged_memory_limit_mb`` if set, else 256. 0 turns it off (every request
+    #: then registers its own memory).
+    staging_arena_mb: int | None = None
     #: How many distinct destinations must receive a request before it is released.
     default_receive_count: int = 1
     #: On shutdown, how long transfers in flight may finish before they are cancelled.
@@ -160,11 +165,24 @@ class EncoderConfig:
                 raise BadRequestError(f"{name} must be a positive number; got {value}")
         if self.prefix_cache_mb < 0:
             raise BadRequestError(f"prefix_cache_mb must be 0 or more; got {self.prefix_cache_mb}")
+        if self.staging_arena_mb is not None and self.staging_arena_mb < 0:
+            raise BadRequestError(
+                f"staging_arena_mb must be 0 or more, or null; got {self.staging_arena_mb}"
+            )
         if self.staged_memory_limit_mb is not None and self.staged_memory_limit_mb < 1:
             raise BadRequestError(
                 f"staged_memory_limit_mb must be at least 1 or null; "
                 f"got {self.staged_memory_limit_mb}"
             )
+
+    @property
+    def arena_bytes(self) -> int:
+        """The staging arena's size in bytes (0: no arena)."""
+        if self.staging_arena_mb is not None:
+            return self.staging_arena_mb * 1024 * 1024
+        if self.staged_memory_limit_mb is not None:
+            return self.staged_memory_limit_mb * 1024 * 1024
+        return 256 * 1024 * 1024
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -33,9 +33,14 @@ def encoders_end_idle(opened_encoders: list[Encoder]) -> Iterator[None]:
 
 @pytest.fixture
 def make_encoder(opened_encoders: list[Encoder]) -> Callable[..., Encoder]:
-    """``make_encoder(model=..., engine=..., **config)`` → an Encoder checked after the test."""
+    """``make_encoder(model=..., engine=..., **config)`` → an Encoder checked after the test.
+
+    The staging arena is off unless a test sets ``staging_arena_mb``: most tests here pin
+    down the per-request registration path (the arena's fallback); the arena has its own.
+    """
 
     def make(*, model: Any = None, engine: Any = None, **config: Any) -> Encoder:
+        config.setdefault("staging_arena_mb", 0)
         encoder = Encoder(
             EncoderConfig.from_mapping(config),
             model=model if model is not None else ScriptedModel(),

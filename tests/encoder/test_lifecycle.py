@@ -44,6 +44,16 @@ def mooncake_to(
     )
 
 
+def live_ids(encoder: Encoder) -> set[str]:
+    assert encoder._lifecycle is not None
+    return set(encoder._lifecycle.table.live)
+
+
+def waiting(encoder: Encoder, req_id: str) -> int:
+    assert encoder._lifecycle is not None
+    return encoder._lifecycle.wakeups.waiting(req_id)
+
+
 def staged_bytes(tokens: int) -> int:
     return tokens * HIDDEN * 2
 
@@ -317,14 +327,17 @@ async def test_a_failing_error_publish_keeps_the_original_error(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async with make_encoder() as encoder:
-        publish = encoder._outcomes.publish
+        assert encoder._lifecycle is not None
+        lifecycle = encoder._lifecycle
+        wake = lifecycle.wakeups.wake
 
-        def broken_publish(key: str, value: object) -> None:
-            if isinstance(value, Exception):
+        def broken_wake(key: str, *, removed: bool = False) -> None:
+            record = lifecycle.table.get(key)
+            if record is not None and record.error is not None:
                 raise RuntimeError("metadata store is down")
-            publish(key, value)  # type: ignore[arg-type]
+            wake(key, removed=removed)
 
-        monkeypatch.setattr(encoder._outcomes, "publish", broken_publish)
+        monkeypatch.setattr(lifecycle.wakeups, "wake", broken_wake)
         with (
             caplog.at_level(logging.ERROR, logger="encdisagg.encoder"),
             pytest.raises(BadRequestError, match="cannot decode"),
@@ -386,10 +399,10 @@ async def test_stale_requests_do_not_block_each_other(make_encoder: MakeEncoder)
             await encoder.encode(request("other"))
             # A pinned transfer does not hold up the other request's expiry.
             await anyio.sleep(59)
-            assert "other" in encoder._requests
+            assert "other" in live_ids(encoder)
             await anyio.sleep(2)
-            assert "other" not in encoder._requests
-            assert "pinned" in encoder._requests
+            assert "other" not in live_ids(encoder)
+            assert "pinned" in live_ids(encoder)
             engine.write_gate.set()
 
 
@@ -425,8 +438,7 @@ async def test_destination_registration_times_out_without_state(make_encoder: Ma
             await encoder.register_destinations("ghost", 1, ["tcp://127.0.0.1:9"])
         with pytest.raises(RequestTimeoutError, match="ghost"):
             await encoder.wait_metadata("ghost")
-        assert encoder._live.waiting("ghost") == 0
-        assert encoder._outcomes.waiting("ghost") == 0
+        assert waiting(encoder, "ghost") == 0
         assert encoder.stats().live_requests == 0
 
 
@@ -437,8 +449,7 @@ async def test_cancelled_waits_leave_no_state(make_encoder: MakeEncoder) -> None
             tg.start_soon(encoder.wait_metadata, "ghost")
             await anyio.wait_all_tasks_blocked()
             tg.cancel_scope.cancel()
-        assert encoder._live.waiting("ghost") == 0
-        assert encoder._outcomes.waiting("ghost") == 0
+        assert waiting(encoder, "ghost") == 0
         assert encoder.stats().live_requests == 0
 
 
@@ -448,7 +459,7 @@ async def test_registration_before_encode_meets_it(make_encoder: MakeEncoder) ->
         async with anyio.create_task_group() as tg:
             tg.start_soon(encoder.register_destinations, "r1", 2, ["tcp://127.0.0.1:9"])
             await anyio.wait_all_tasks_blocked()
-            assert encoder._live.waiting("r1") == 1
+            assert waiting(encoder, "r1") == 1
 
             async def encode() -> None:
                 with pytest.raises(BadRequestError):

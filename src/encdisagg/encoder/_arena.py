@@ -1,0 +1,132 @@
+"""The staging arena: one buffer registered once, carved into blocks by size class.
+
+Staging an embedding into the arena costs a copy and an allocation, but no registration:
+the engine saw the whole buffer once when the Encoder opened. Blocks are handed out by a
+buddy allocator (sizes are powers of two from ``min_block``), so freed neighbours merge and
+a long-running encoder does not fragment into unusable slivers.
+
+Pure bookkeeping: nothing here touches the engine or awaits.
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+import torch
+
+__all__ = ["BuddyAllocator", "StagingArena"]
+
+
+def _order_for(nbytes: int, min_block: int) -> int:
+    blocks = max(1, -(-nbytes // min_block))
+    return (blocks - 1).bit_length()
+
+
+@final
+class BuddyAllocator:
+    """Offsets into a region of ``min_block * 2**max_order`` bytes.
+
+    :meth:`alloc` returns the offset of a free block of at least ``nbytes`` (or None);
+    :meth:`free` gives it back, merging it with its buddy while the buddy is free too.
+    """
+
+    __slots__ = ("_free", "_max_order", "_min_block", "_used", "used_bytes")
+
+    def __init__(self, capacity: int, *, min_block: int = 4096) -> None:
+        if capacity < min_block:
+            raise ValueError(f"capacity {capacity} is below one block of {min_block} bytes")
+        self._min_block = min_block
+        self._max_order = (capacity // min_block).bit_length() - 1
+        #: Free block offsets per order.
+        self._free: list[set[int]] = [set() for _ in range(self._max_order + 1)]
+        self._free[self._max_order].add(0)
+        #: Order of every allocated block, by offset.
+        self._used: dict[int, int] = {}
+        self.used_bytes = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._min_block << self._max_order
+
+    def block_size(self, nbytes: int) -> int:
+        """The size of the block ``alloc(nbytes)`` would hand out."""
+        return self._min_block << _order_for(nbytes, self._min_block)
+
+    def alloc(self, nbytes: int) -> int | None:
+        """A free block of at least ``nbytes``: its offset, or None if none is free."""
+        order = _order_for(nbytes, self._min_block)
+        if order > self._max_order:
+            return None
+        found = order
+        while found <= self._max_order and not self._free[found]:
+            found += 1
+        if found > self._max_order:
+            return None
+        offset = self._free[found].pop()
+        while found > order:
+            found -= 1
+            # Keep the lower half, free the upper one.
+            self._free[found].add(offset + (self._min_block << found))
+        self._used[offset] = order
+        self.used_bytes += self._min_block << order
+        return offset
+
+    def free(self, offset: int) -> None:
+        """Give back the block at ``offset``. :raises KeyError: not allocated."""
+        order = self._used.pop(offset)
+        self.used_bytes -= self._min_block << order
+        while order < self._max_order:
+            buddy = offset ^ (self._min_block << order)
+            if buddy not in self._free[order]:
+                break
+            self._free[order].discard(buddy)
+            offset = min(offset, buddy)
+            order += 1
+        self._free[order].add(offset)
+
+    @property
+    def allocated(self) -> int:
+        """How many blocks are handed out."""
+        return len(self._used)
+
+
+@final
+class StagingArena:
+    """A byte buffer on ``device`` and its allocator.
+
+    :meth:`stage` copies a tensor into a free block and returns the block's offset and a
+    tensor view of it with the source's shape and dtype, or None when no block is free.
+    """
+
+    __slots__ = ("_allocator", "buffer")
+
+    def __init__(self, capacity: int, device: torch.device, *, min_block: int = 4096) -> None:
+        self._allocator = BuddyAllocator(capacity, min_block=min_block)
+        self.buffer = torch.empty(self._allocator.capacity, dtype=torch.uint8, device=device)
+
+    @property
+    def ptr(self) -> int:
+        return int(self.buffer.data_ptr())
+
+    @property
+    def capacity(self) -> int:
+        return self._allocator.capacity
+
+    @property
+    def allocated(self) -> int:
+        return self._allocator.allocated
+
+    def stage(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.device != self.buffer.device:
+            return None
+        offset = self._allocator.alloc(nbytes)
+        if offset is None:
+            return None
+        block = self.buffer[offset : offset + nbytes]
+        view = block.view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        return offset, view
+
+    def free(self, offset: int) -> None:
+        self._allocator.free(offset)

@@ -1,0 +1,305 @@
+"""The compute path: cache tiers, preprocessing, the batched forward, validation.
+
+A model that says its calls do not block (``blocking = False``, like ``NullVisionModel``)
+is called inline, on the event loop; any other model preprocesses in a bounded pool of
+worker threads and forwards through the :class:`~._batcher.Batcher`, which fuses
+concurrent requests of one modality into one worker-thread call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import anyio
+import torch
+
+from .._config import EncoderConfig
+from .._errors import (
+    BadRequestError,
+    EncdisaggError,
+    InternalError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
+from ..cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin, relabel_items
+from ..models import Preprocessed, VisionModel
+from ..nurseries import run_thread_to_completion
+from ._batcher import Batcher, ForwardJob, check_token_count
+from ._cache import PrefixCache
+from ._events import EncoderEvents
+from ._regions import calls_block
+from ._types import EncodeRequest
+
+__all__ = ["ComputePath"]
+
+#: Called with the preprocessed sizes as soon as they are known (early metadata).
+OnPreprocessed = Callable[[Preprocessed], None]
+
+
+class ComputePath:
+    """Turns an :class:`EncodeRequest` into its embedding rows.
+
+    :meth:`run` returns ``(rows, preprocessed, from_cache)``; ``from_cache`` says the rows
+    are shared with the local cache and must be copied before they are staged.
+    """
+
+    def __init__(
+        self,
+        model: VisionModel,
+        config: EncoderConfig,
+        *,
+        cache: PrefixCache,
+        events: EncoderEvents,
+        batcher: Batcher | None,
+        global_cache: GlobalCache | None = None,
+        keys: KeySpace | None = None,
+    ) -> None:
+        self._model = model
+        self._config = config
+        self._cache = cache
+        self._events = events
+        self._batcher = batcher
+        self._global = global_cache
+        self._keys = keys
+        self._inline = not calls_block(model)
+        self._limiter = anyio.CapacityLimiter(config.preprocess_threads)
+
+    @property
+    def model(self) -> VisionModel:
+        return self._model
+
+    async def run(
+        self, request: EncodeRequest, on_preprocessed: OnPreprocessed
+    ) -> tuple[torch.Tensor, Preprocessed, bool]:
+        if self._global is not None:
+            rows, pre = await self._encode_items(request)
+            on_preprocessed(pre)
+            return rows, pre, False
+        pre = await self.preprocess(request)
+        on_preprocessed(pre)
+        cached = self._cache_lookup(request.req_id, pre)
+        if cached is not None:
+            return cached, pre, True
+        (output,) = await self.forward(request, [pre])
+        self._cache_insert(pre, output)
+        return output, pre, False
+
+    async def preprocess(
+        self, request: EncodeRequest, indices: Sequence[int] | None = None
+    ) -> Preprocessed:
+        """Preprocess the request's items (only those at ``indices`` if given; errors then
+        still name items by their place in the request)."""
+        start = anyio.current_time()
+        items = request.items if indices is None else [request.items[i] for i in indices]
+        try:
+            if self._inline:
+                pre = self._model.preprocess(items, request.kind)
+            else:
+                pre = await run_thread_to_completion(
+                    self._model.preprocess, items, request.kind, limiter=self._limiter
+                )
+        except EncdisaggError as exc:
+            if indices is None:
+                raise
+            raise type(exc)(relabel_items(exc.message, indices), req_id=exc.req_id) from exc
+        except (ValueError, TypeError) as exc:
+            detail = str(exc) if indices is None else relabel_items(str(exc), indices)
+            raise BadRequestError(
+                f"req_id {request.req_id!r}: preprocessing rejected the input: {detail}",
+                req_id=request.req_id,
+            ) from exc
+        except Exception as exc:
+            raise InternalError(
+                f"req_id {request.req_id!r}: preprocessing failed: {exc!r}",
+                req_id=request.req_id,
+            ) from exc
+        if not self._inline:
+            self._events.phase("preprocess", anyio.current_time() - start)
+        return pre
+
+    async def forward(
+        self, request: EncodeRequest, batch: Sequence[Preprocessed]
+    ) -> list[torch.Tensor]:
+        """Forward each element of ``batch`` (the batcher may fuse them with each other and
+        with other requests' jobs); every output's row count is checked."""
+        if self._batcher is None:
+            return self._forward_inline(request, batch)
+        batcher = self._batcher
+        jobs = [ForwardJob(request.req_id, request.kind, pre) for pre in batch]
+        start = anyio.current_time()
+        try:
+            for job in jobs:
+                try:
+                    with anyio.fail_after(self._config.request_timeout_s):
+                        await batcher.submit(job)
+                except TimeoutError:
+                    raise RequestTimeoutError(
+                        f"req_id {request.req_id!r}: the encode queue stayed full for "
+                        f"{self._config.request_timeout_s} s",
+                        req_id=request.req_id,
+                    ) from None
+            for job in jobs:
+                await job.done.wait()
+        except BaseException:
+            # The batcher skips jobs nobody waits for any more.
+            for job in jobs:
+                job.abandoned = True
+            raise
+        self._events.phase("queue+forward", anyio.current_time() - start)
+        outputs = []
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+            if job.output is None:
+                raise ServiceUnavailableError("the encoder is shutting down", req_id=request.req_id)
+            outputs.append(job.output)
+        return outputs
+
+    def _forward_inline(
+        self, request: EncodeRequest, batch: Sequence[Preprocessed]
+    ) -> list[torch.Tensor]:
+        try:
+            outputs = self._model.forward(batch)
+        except EncdisaggError:
+            raise
+        except Exception as exc:
+            raise InternalError(
+                f"req_id {request.req_id!r}: the model's forward failed: {exc!r}",
+                req_id=request.req_id,
+            ) from exc
+        if len(outputs) != len(batch):
+            raise InternalError(
+                f"the model returned {len(outputs)} outputs for a batch of {len(batch)}",
+                req_id=request.req_id,
+            )
+        for output, pre in zip(outputs, batch, strict=True):
+            try:
+                check_token_count(output, pre)
+            except InternalError as exc:
+                exc.req_id = request.req_id
+                raise
+        return list(outputs)
+
+    # -- the local tier alone ----------------------------------------------------------------
+
+    def _cache_key_ok(self, pre: Preprocessed) -> bool:
+        return self._config.prefix_cache_mb > 0 and pre.cache_key is not None
+
+    def _cache_lookup(self, req_id: str, pre: Preprocessed) -> torch.Tensor | None:
+        if not self._cache_key_ok(pre):
+            return None
+        assert pre.cache_key is not None
+        model = self._model
+        try:
+            hit = self._cache.lookup(
+                pre.cache_key,
+                tokens=sum(pre.token_counts),
+                hidden_size=model.hidden_size,
+                dtype=model.dtype,
+            )
+        except ValueError as exc:
+            self._events.cache("invalid")
+            raise InternalError(f"req_id {req_id!r}: {exc}", req_id=req_id) from exc
+        self._events.cache("hit" if hit is not None else "miss")
+        return hit
+
+    def _cache_insert(self, pre: Preprocessed, output: torch.Tensor) -> None:
+        if not self._cache_key_ok(pre):
+            return
+        assert pre.cache_key is not None
+        model = self._model
+        before = self._cache.stats().evictions
+        self._cache.insert(
+            pre.cache_key,
+            output,
+            tokens=sum(pre.token_counts),
+            hidden_size=model.hidden_size,
+            dtype=model.dtype,
+        )
+        self._count_evictions(before)
+
+    def _count_evictions(self, before: int) -> None:
+        for _ in range(self._cache.stats().evictions - before):
+            self._events.cache("eviction")
+
+    # -- per item, through both cache tiers (config.global_cache set) ------------------------
+
+    async def _encode_items(self, request: EncodeRequest) -> tuple[torch.Tensor, Preprocessed]:
+        """Key each item; take local hits, then global hits; preprocess and forward only the
+        rest; assemble in item order; insert what was computed (global: in the background).
+        Global-tier failures never fail the request (see docs/cache.md)."""
+        global_cache, keys = self._global, self._keys
+        assert global_cache is not None
+        assert keys is not None
+        start = anyio.current_time()
+        key_builder = keys.for_modality(request.kind.value)
+        plan = await run_thread_to_completion(
+            lambda: ItemPlan.build(
+                request.items,
+                request.hashes,
+                key_builder,
+                max_media_bytes=self._config.max_media_bytes,
+            ),
+            limiter=self._limiter,
+        )
+        # Items that name their content elsewhere (files, URLs) are keyed by preprocessing
+        # them alone; the result is reused for their forward if they miss.
+        for index in plan.unkeyed():
+            plan.key_by_preprocessing(index, await self.preprocess(request, [index]))
+        self._local_lookup(request.req_id, plan)
+        for key, item in (await global_cache.lookup(plan.open_keys())).items():
+            plan.fill(key, item, Origin.GLOBAL)
+        self._events.phase("cache_lookup", anyio.current_time() - start)
+        group = plan.to_preprocess()
+        if group:
+            plan.set_preprocessed(group, await self.preprocess(request, group))
+        batch = plan.forward_batch()
+        if batch:
+            plan.set_outputs(await self.forward(request, batch))
+        device = getattr(self._model, "device", None)
+        tensor, token_counts, grid = plan.assemble(
+            device if isinstance(device, torch.device) else torch.device("cpu")
+        )
+        self._warm_tiers(plan)
+        return tensor, Preprocessed(token_counts=token_counts, grid=grid)
+
+    def _local_lookup(self, req_id: str, plan: ItemPlan) -> None:
+        if self._config.prefix_cache_mb <= 0:
+            return
+        model = self._model
+        for key in plan.open_keys():
+            try:
+                hit = self._cache.lookup_item(key, hidden_size=model.hidden_size, dtype=model.dtype)
+            except ValueError as exc:
+                self._events.cache("invalid")
+                raise InternalError(f"req_id {req_id!r}: {exc}", req_id=req_id) from exc
+            self._events.cache("hit" if hit is not None else "miss")
+            if hit is not None:
+                rows, (tokens, grid) = hit
+                plan.fill(key, CachedItem(rows=rows, tokens=tokens, grid=grid), Origin.LOCAL)
+
+    def _warm_tiers(self, plan: ItemPlan) -> None:
+        """Insert computed items in both tiers and global hits in the local one."""
+        assert self._global is not None
+        computed = plan.computed()
+        for key, item in computed:
+            self._global.insert_soon(key, item)
+        if self._config.prefix_cache_mb <= 0:
+            return
+        model = self._model
+        before = self._cache.stats().evictions
+        for key, item in [*computed, *plan.fetched()]:
+            rows = item.rows
+            if rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
+                # A view into a batch output or a fetched buffer: keep only its own rows, so
+                # the cache's byte count is the memory it holds.
+                rows = rows.clone()
+            self._cache.insert(
+                key,
+                rows,
+                tokens=item.tokens,
+                hidden_size=model.hidden_size,
+                dtype=model.dtype,
+                grid=item.grid,
+            )
+        self._count_evictions(before)

@@ -1,0 +1,113 @@
+"""Delivery: one staged embedding to one destination (a Mooncake write or a ZMQ push).
+
+Callers run these inside a job of the request (``_table``), so the staged memory outlives
+every call here. A Mooncake write is one engine call: inline when the engine says it does
+not block, else one worker-thread call that is never abandoned. A ZMQ push returns only
+once ZMQ no longer references the payload.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from .._errors import TransferError
+from ..transfer import EmbeddingHeader, ZmqPushPool, payload_view
+from ._regions import RegionOwner, Staged
+from ._table import Phase, RequestRecord
+from ._types import MooncakeDestination
+
+__all__ = ["Delivery"]
+
+
+class Delivery:
+    """Moves staged embeddings out.
+
+    :param regions: the region owner (engine calls and per-send registrations).
+    :param zmq: the pool of ZMQ push sockets.
+    """
+
+    def __init__(self, regions: RegionOwner, zmq: ZmqPushPool) -> None:
+        self._regions = regions
+        self._zmq = zmq
+
+    async def write(self, record: RequestRecord, destination: MooncakeDestination) -> None:
+        """Write the staged embedding into ``destination``'s registered buffer."""
+        regions = self._regions
+        engine = regions.engine
+        if engine is None:
+            raise TransferError(
+                f"req_id {record.req_id!r}: a Mooncake destination needs transfer='mooncake'",
+                req_id=record.req_id,
+            )
+        staged: Staged = record.staged
+        if not staged.transferable:
+            # Per-send registration: one at a time per record, so the same pointer is never
+            # registered twice at once. A registration left behind by a failed
+            # deregistration is the record's own from then on, and the next send reuses it.
+            if record.fallback_lock is None:
+                record.fallback_lock = anyio.Lock()
+            async with record.fallback_lock:
+                if _needs_own_registration(staged):
+                    await regions.call(
+                        regions.write_with_own_registration,
+                        staged,
+                        destination.session_id,
+                        destination.buffer_address,
+                        record.req_id,
+                    )
+                    return
+        await regions.call(
+            engine.write,
+            destination.session_id,
+            staged.ptr,
+            destination.buffer_address,
+            staged.nbytes,
+        )
+
+    async def push(self, record: RequestRecord, url: str) -> None:
+        """Push the embedding (or the request's error part) to a ZMQ PULL endpoint."""
+        header = _header(record)
+        if record.phase is Phase.FAILED:
+            await self._zmq.send(url, header, None)
+            return
+        staged: Staged = record.staged
+        tensor = staged.tensor
+        host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        # Returns only once ZMQ no longer references the payload.
+        await self._zmq.send(url, header, payload_view(host))
+
+
+def _needs_own_registration(staged: Staged) -> bool:
+    # Read again under the lock: the send before may have left a registration behind.
+    return not staged.transferable
+
+
+def _header(record: RequestRecord) -> EmbeddingHeader:
+    request = record.request
+    if record.phase is Phase.FAILED:
+        error = record.error
+        assert error is not None
+        return EmbeddingHeader(
+            req_id=record.req_id,
+            num_parts=request.num_parts,
+            part_idx=request.part_idx,
+            modality=request.kind.value,
+            shape=(0, 0),
+            dtype="float16",
+            token_counts=(),
+            grid=(),
+            error=error.message,
+            status=error.status,
+        )
+    result = record.metadata
+    assert result is not None
+    return EmbeddingHeader(
+        req_id=record.req_id,
+        num_parts=request.num_parts,
+        part_idx=request.part_idx,
+        modality=request.kind.value,
+        shape=(result.num_tokens, result.hidden_size),
+        dtype=result.dtype,
+        token_counts=result.token_counts,
+        grid=result.grid,
+    )

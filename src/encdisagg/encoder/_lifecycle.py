@@ -1,0 +1,481 @@
+"""The request lifecycle: encode, send, push, wait, release, expire.
+
+Every piece of work that may touch a request's staged memory runs inside a :class:`_Job`
+of that request: a cancel scope on the calling task, counted in the request's record. The
+record is freed exactly once, by whichever job leaves last after release was asked for
+(or by the release itself when no job runs), so *drain before free* holds by construction:
+nothing can free memory while a job still runs. Transfers inside a job are worker-thread
+calls that are never abandoned (or calls that do not block at all), so a cancelled job
+leaves only after its transfer stopped touching memory.
+
+The jobs run in their callers' tasks; the Encoder-initiated ones (pushes to registered
+destinations) run in the Encoder's own push task group. Deadlines are kept by one task
+(``_deadlines``) that only ever cancels jobs and marks records.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+
+import anyio
+import anyio.lowlevel
+import torch
+
+from .._config import EncoderConfig
+from .._errors import (
+    BadRequestError,
+    EncdisaggError,
+    InternalError,
+    RequestNotActiveError,
+    RequestTimeoutError,
+)
+from ..models import Preprocessed
+from ..nurseries import KeyedWakeups, ServiceTaskGroup
+from ._budget import StagedBudget
+from ._compute import ComputePath
+from ._deadlines import DeadlineKeeper
+from ._delivery import Delivery
+from ._events import EncoderEvents
+from ._regions import RegionOwner
+from ._table import Phase, RequestRecord, RequestTable
+from ._types import Destination, EncodeRequest, EncodeResult, MooncakeDestination, ZmqDestination
+
+__all__ = ["RequestLifecycle"]
+
+_log = logging.getLogger("encdisagg.encoder")
+
+_STATUS_BY_HTTP = {400: "bad_request", 503: "unavailable"}
+
+
+def _error_copy(error: EncdisaggError) -> EncdisaggError:
+    # One exception object must not be raised in several tasks (tracebacks pile up).
+    copy = type(error)(error.message, req_id=error.req_id)
+    copy.__cause__ = error.__cause__
+    return copy
+
+
+class _Job:
+    """One piece of work on a request's memory. Counted in as soon as it is made (so a
+    push task started later is already counted), out when its ``with`` block ends."""
+
+    __slots__ = ("_flow", "_scope", "record")
+
+    def __init__(self, flow: RequestLifecycle, record: RequestRecord) -> None:
+        self._flow = flow
+        self.record = record
+        self._scope = anyio.CancelScope()
+        record.enter(self._scope.cancel)
+
+    @property
+    def cut_short(self) -> bool:
+        """Whether the request's deadline or the Encoder's shutdown cancelled it."""
+        return self._scope.cancelled_caught
+
+    def __enter__(self) -> _Job:
+        self._scope.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        try:
+            return bool(self._scope.__exit__(exc_type, exc, tb))
+        finally:
+            self.leave(failed=exc is not None)
+
+    def leave(self, *, failed: bool = False) -> None:
+        record = self.record
+        if failed:
+            # A failed or cancelled job releases its request.
+            record.release_requested = True
+        if record.leave(self._scope.cancel):
+            self._flow.free(record)
+
+
+class RequestLifecycle:
+    """The Encoder's requests: their table, jobs, deadlines and delivery."""
+
+    def __init__(
+        self,
+        config: EncoderConfig,
+        *,
+        compute: ComputePath,
+        regions: RegionOwner,
+        budget: StagedBudget,
+        delivery: Delivery,
+        events: EncoderEvents,
+        pushes: ServiceTaskGroup,
+    ) -> None:
+        self.config = config
+        self.table = RequestTable(
+            anyio.current_time,
+            remember_s=config.request_timeout_s,
+            abandon_ttl_s=config.abandon_ttl_s,
+        )
+        self.wakeups: KeyedWakeups[str] = KeyedWakeups()
+        self.deadlines = DeadlineKeeper(self.expire, lambda: len(self.table))
+        self._compute = compute
+        self._regions = regions
+        self._budget = budget
+        self._delivery = delivery
+        self._events = events
+        self._pushes = pushes
+        self._closing: anyio.Event | None = None
+        self.inflight = 0
+
+    # -- synchronous decisions --------------------------------------------------------------
+
+    def free(self, record: RequestRecord) -> None:
+        """The record's last job left after release was asked for: free its memory."""
+        staged, record.staged = record.staged, None
+        if staged is not None:
+            record.handover = self._regions.free(record.req_id, staged)
+        self.table.retire(record)
+        self.wakeups.wake(record.req_id)
+        if self._closing is not None and not self.table.live:
+            self._closing.set()
+
+    def request_release(self, record: RequestRecord) -> None:
+        if record.request_release():
+            self.free(record)
+
+    def expire(self, record: RequestRecord) -> None:
+        """The request's own deadline passed: stop its jobs; the last one frees it."""
+        if record.retired or record.phase is not Phase.STAGED:
+            return
+        record.expired = True
+        record.cancel_jobs()
+        self.request_release(record)
+
+    def _publish_metadata(self, record: RequestRecord, pre: Preprocessed) -> None:
+        model = self._compute.model
+        dtype = model.dtype
+        num_tokens = sum(pre.token_counts)
+        hidden = model.hidden_size
+        record.metadata = EncodeResult(
+            req_id=record.req_id,
+            num_tokens=num_tokens,
+            hidden_size=hidden,
+            dtype=str(dtype).removeprefix("torch."),
+            nbytes=num_tokens * hidden * dtype.itemsize,
+            token_counts=tuple(int(n) for n in pre.token_counts),
+            grid=tuple(tuple(int(v) for v in g) for g in pre.grid),
+        )
+        self.wakeups.wake(record.req_id)
+
+    def _fail(self, record: RequestRecord, error: EncdisaggError) -> None:
+        record.phase = Phase.FAILED
+        record.error = error
+        record.release_requested = True
+        try:
+            self.wakeups.wake(record.req_id)
+        except Exception:
+            _log.exception("publishing the error of req_id %r failed", record.req_id)
+        for url in record.push_urls:
+            self._start_push(record, url)
+
+    def _fix_receive_count(self, record: RequestRecord, receive_count: int | None) -> None:
+        if receive_count is None:
+            return
+        req_id = record.req_id
+        if isinstance(receive_count, bool) or not isinstance(receive_count, int):
+            raise BadRequestError("receive_count must be an integer", req_id=req_id)
+        if receive_count < 1:
+            raise BadRequestError(
+                f"receive_count must be at least 1; got {receive_count}", req_id=req_id
+            )
+        if record.receive_count is not None and record.receive_count != receive_count:
+            raise BadRequestError(
+                f"receive_count {receive_count} differs from the {record.receive_count} "
+                f"registered first for req_id {req_id!r}",
+                req_id=req_id,
+            )
+        record.receive_count = receive_count
+
+    # -- encode -------------------------------------------------------------------------------
+
+    async def encode(self, request: EncodeRequest) -> EncodeResult:
+        self._budget.check_admission(request.req_id)
+        record = self.table.admit(request)
+        self.wakeups.wake(request.req_id)
+        started = anyio.current_time()
+        status = "error"
+        job = _Job(self, record)
+        try:
+            with job:
+                try:
+                    result = await self._encode_job(record)
+                except EncdisaggError as exc:
+                    if exc.req_id is None:
+                        exc.req_id = record.req_id
+                    status = _STATUS_BY_HTTP.get(exc.status, "error")
+                    self._fail(record, exc)
+                    raise
+                except Exception as exc:
+                    internal = InternalError(
+                        f"req_id {record.req_id!r}: encoding failed: {exc!r}",
+                        req_id=record.req_id,
+                    )
+                    self._fail(record, internal)
+                    raise internal from exc
+                except BaseException:
+                    if record.phase is Phase.ENCODING:
+                        record.phase = Phase.ABORTED
+                    raise
+            if job.cut_short:
+                raise RequestNotActiveError(
+                    f"req_id {request.req_id!r} ended during its encode", req_id=request.req_id
+                )
+            status = "ok"
+            return result
+        finally:
+            on_done = self._events.on_request_done
+            if on_done is not None:
+                on_done(request.kind.value, status, anyio.current_time() - started)
+
+    async def _encode_job(self, record: RequestRecord) -> EncodeResult:
+        request = record.request
+        rows, _pre, from_cache = await self._compute.run(
+            request, lambda pre: self._publish_metadata(record, pre)
+        )
+        metadata = record.metadata
+        assert metadata is not None
+        _check_rows(rows, metadata)
+        staged = self._regions.stage(record.req_id, rows.detach(), copy=from_cache)
+        record.staged = staged
+        if not staged.transferable:
+            await self._regions.register_own(record.req_id, staged)
+        record.phase = Phase.STAGED
+        record.deadline = anyio.current_time() + self.config.send_timeout_s
+        self.deadlines.add(record)
+        self.wakeups.wake(record.req_id)
+        for url in record.push_urls:
+            self._start_push(record, url)
+        return metadata
+
+    # -- send and push ------------------------------------------------------------------------
+
+    async def send(self, req_id: str, destination: Destination, receive_count: int | None) -> None:
+        record = self.table.lookup(req_id)
+        self._fix_receive_count(record, receive_count)
+        job = _Job(self, record)
+        try:
+            with job:
+                await self._deliver(record, destination)
+        except Exception:
+            # A failed send released the request: the caller sees it gone.
+            await self.settle(record)
+            raise
+        if job.cut_short:
+            if record.expired:
+                raise RequestTimeoutError(
+                    f"req_id {req_id!r} was not delivered within send_timeout_s="
+                    f"{self.config.send_timeout_s} and was released",
+                    req_id=req_id,
+                )
+            raise RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
+        if record.release_requested:
+            # This send completed the delivery (or a release is pending): the caller
+            # sees the request gone, within the cleanup bound.
+            await self.settle(record)
+
+    async def _deliver(self, record: RequestRecord, destination: Destination) -> None:
+        if record.phase is Phase.ENCODING:
+            await self._wait_staged(record)
+        if record.phase is not Phase.STAGED:
+            if record.error is not None:
+                raise _error_copy(record.error)
+            raise RequestNotActiveError(
+                f"req_id {record.req_id!r} was released", req_id=record.req_id
+            )
+        identity = destination.identity
+        if record.release_requested and identity not in record.delivered:
+            raise RequestNotActiveError(
+                f"req_id {record.req_id!r} was released", req_id=record.req_id
+            )
+        start = anyio.current_time()
+        self.inflight += 1
+        try:
+            if isinstance(destination, MooncakeDestination):
+                await self._delivery.write(record, destination)
+            else:
+                await self._delivery.push(record, destination.url)
+        finally:
+            self.inflight -= 1
+        self._events.phase("transfer", anyio.current_time() - start)
+        record.note_delivered(identity, self.config.default_receive_count)
+
+    async def _wait_staged(self, record: RequestRecord) -> None:
+        timeout = self.config.request_timeout_s
+        try:
+            with anyio.fail_after(timeout):
+                while record.phase is Phase.ENCODING:
+                    await self.wakeups.park(record.req_id)
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"req_id {record.req_id!r} was not staged within {timeout} s",
+                req_id=record.req_id,
+            ) from None
+
+    def _start_push(self, record: RequestRecord, url: str) -> None:
+        job = _Job(self, record)
+        try:
+            self._pushes.start_soon(self._push, job, url, name=f"push {record.req_id}")
+        except RuntimeError:
+            job.leave()
+            _log.warning("req_id %r: not pushing to %s, the encoder is closing", record.req_id, url)
+
+    async def _push(self, job: _Job, url: str) -> None:
+        record = job.record
+        try:
+            with job:
+                if record.phase is Phase.FAILED:
+                    await self._delivery.push(record, url)
+                else:
+                    await self._deliver(record, ZmqDestination(url))
+        except Exception as exc:
+            _log.error("req_id %r: pushing to %s failed", record.req_id, url, exc_info=exc)
+
+    async def register_destinations(
+        self, req_id: str, receive_count: int, urls: list[str] | tuple[str, ...]
+    ) -> None:
+        if not isinstance(urls, (list, tuple)) or not urls:
+            raise BadRequestError("receive_url must be a non-empty list of URLs", req_id=req_id)
+        destinations = [ZmqDestination(url) for url in urls]
+        if (
+            isinstance(receive_count, bool)
+            or not isinstance(receive_count, int)
+            or receive_count < 1
+        ):
+            raise BadRequestError(
+                f"receive_count must be a positive integer; got {receive_count!r}", req_id=req_id
+            )
+        record = await self._wait_live(req_id)
+        if record.release_requested:
+            raise RequestNotActiveError(f"req_id {req_id!r} is being released", req_id=req_id)
+        self._fix_receive_count(record, receive_count)
+        for destination in destinations:
+            if destination.url in record.push_urls:
+                continue
+            record.push_urls.append(destination.url)
+            if record.phase is Phase.STAGED:
+                self._start_push(record, destination.url)
+
+    async def _wait_live(self, req_id: str) -> RequestRecord:
+        """The live record of ``req_id``, waiting (bounded) for its encode to create it;
+        waiting or timing out creates no state."""
+        timeout = self.config.request_timeout_s
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    record = self.table.get(req_id)
+                    if record is not None:
+                        return record
+                    if self.table.ended(req_id):
+                        raise RequestNotActiveError(
+                            f"req_id {req_id!r} was released", req_id=req_id
+                        )
+                    await self.wakeups.park(req_id)
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"req_id {req_id!r} did not appear within {timeout} s", req_id=req_id
+            ) from None
+
+    # -- metadata, release --------------------------------------------------------------------
+
+    async def wait_metadata(self, req_id: str) -> EncodeResult:
+        timeout = self.config.request_timeout_s
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    record = self.table.get(req_id)
+                    if record is not None:
+                        if record.error is not None:
+                            raise _error_copy(record.error)
+                        if record.metadata is not None:
+                            return record.metadata
+                        if record.phase is Phase.ABORTED:
+                            raise RequestNotActiveError(
+                                f"req_id {req_id!r} was released", req_id=req_id
+                            )
+                    elif self.table.ended(req_id):
+                        error = self.table.ended_error(req_id)
+                        if error is not None:
+                            raise _error_copy(error)
+                        raise RequestNotActiveError(
+                            f"req_id {req_id!r} was released", req_id=req_id
+                        )
+                    await self.wakeups.park(req_id)
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"no metadata for req_id {req_id!r} within {timeout} s", req_id=req_id
+            ) from None
+
+    async def release(self, req_id: str) -> None:
+        record = self.table.get(req_id)
+        if record is None:
+            return
+        self.request_release(record)
+        if record.phase is Phase.ENCODING:
+            return
+        # Sends in flight are bounded by their own timeouts.
+        while not record.retired:
+            await self.wakeups.park(record.req_id)
+        await self.settle(record)
+
+    async def abandon(self, req_id: str) -> None:
+        record = self.table.abandon(req_id)
+        if record is not None:
+            await self.release(req_id)
+
+    async def settle(self, record: RequestRecord) -> None:
+        """Wait, shielded and at most ``cleanup_timeout_s``, until a releasing record was
+        freed and a first attempt to deregister its own registration (if any) ended. Past
+        that bound, or after a failed attempt, the work
+        goes on where it belongs (the record's last job frees it; the region owner keeps
+        the region, its memory counted as staged): nothing is reported failed."""
+        with anyio.move_on_after(self.config.cleanup_timeout_s, shield=True):
+            while not record.retired:
+                await self.wakeups.park(record.req_id)
+            handover = record.handover
+            if handover is not None:
+                # Its first deregistration attempt; a failed one is retried by the owner.
+                await handover.attempted.wait()
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Release every live request; after ``shutdown_grace_s`` cancel what still runs
+        (shielded transfers finish first) and wait, at most ``cleanup_timeout_s`` more."""
+        self._closing = anyio.Event()
+        for record in list(self.table.live.values()):
+            self.request_release(record)
+        with anyio.CancelScope(shield=True):
+            if self.table.live:
+                with anyio.move_on_after(self.config.shutdown_grace_s):
+                    await self._closing.wait()
+            for record in list(self.table.live.values()):
+                record.cancel_jobs()
+            if self.table.live:
+                with anyio.move_on_after(self.config.cleanup_timeout_s):
+                    await self._closing.wait()
+        for record in self.table.live.values():
+            _log.error(
+                "req_id %r still had %d job(s) running when the encoder closed",
+                record.req_id,
+                record.jobs,
+            )
+
+
+def _check_rows(rows: torch.Tensor, metadata: EncodeResult) -> None:
+    expected = (metadata.num_tokens, metadata.hidden_size)
+    if tuple(rows.shape) != expected or str(rows.dtype).removeprefix("torch.") != metadata.dtype:
+        raise InternalError(
+            f"req_id {metadata.req_id!r}: the model produced {list(rows.shape)} "
+            f"{rows.dtype}, but its preprocessing promised {list(expected)} {metadata.dtype}",
+            req_id=metadata.req_id,
+        )

@@ -1,0 +1,252 @@
+"""The request table: every live request's record and the synchronous decisions about it.
+
+Nothing here awaits or imports an event loop; the clock is injected. The Encoder's async
+code calls these methods between its awaits, so the table is consistent at every checkpoint,
+and a Hypothesis state machine drives it without an event loop (``tests/encoder``).
+
+A record's memory may be touched only inside a *job*: :meth:`RequestRecord.enter` counts
+one in, :meth:`RequestRecord.leave` counts it out and says whether the record must now be
+freed. A record is freed exactly once, when release was asked for and its last job left,
+so no job can ever see its memory go.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import EncdisaggError, NotFoundError, RequestNotActiveError
+from ._types import EncodeRequest, EncodeResult
+
+__all__ = ["Phase", "RequestRecord", "RequestTable"]
+
+
+class Phase(enum.Enum):
+    """Where a request is: its encode runs, its embedding is staged, it failed, or its
+    encode was abandoned by its caller."""
+
+    ENCODING = "encoding"
+    STAGED = "staged"
+    FAILED = "failed"
+    #: The encode's caller left (cancelled) before it staged anything.
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False, slots=True)
+class RequestRecord:
+    """One live request. Mutated only on the event loop, in code that does not await.
+
+    ``staged`` is whatever owns the staged embedding (see ``_staging``); the record owns it
+    until :meth:`RequestTable.retire`.
+    """
+
+    request: EncodeRequest
+    phase: Phase = Phase.ENCODING
+    #: Sticky: once set, no new sends or destination registrations are accepted.
+    release_requested: bool = False
+    #: Set when the request's own deadline released it.
+    expired: bool = False
+    #: Published as soon as preprocessing knows the sizes, before the forward ends.
+    metadata: EncodeResult | None = None
+    error: EncdisaggError | None = None
+    staged: Any = None
+    receive_count: int | None = None
+    delivered: set[str] = field(default_factory=set)
+    push_urls: list[str] = field(default_factory=list)
+    #: Jobs in flight that may touch the staged memory (the encode job counts too).
+    jobs: int = 0
+    #: Cancels the jobs in flight (each job registers its own cancel callback).
+    cancels: list[Callable[[], None]] = field(default_factory=list)
+    #: Absolute time (the table's clock) after which the request releases itself.
+    deadline: float = math.inf
+    #: Set once the record was freed and left the table.
+    retired: bool = False
+    #: Serialises per-send registrations of this record's memory (set by the delivery).
+    fallback_lock: Any = None
+    #: Set by the free when an own registration went to the region owner.
+    handover: Any = None
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new sends and destination registrations are accepted."""
+        return not self.release_requested
+
+    def enter(self, cancel: Callable[[], None]) -> None:
+        """Count a job in; ``cancel`` stops it if the request expires or shuts down."""
+        self.jobs += 1
+        self.cancels.append(cancel)
+
+    def leave(self, cancel: Callable[[], None]) -> bool:
+        """Count a job out; whether the record must be freed now."""
+        self.jobs -= 1
+        self.cancels.remove(cancel)
+        return self.must_free()
+
+    def must_free(self) -> bool:
+        """Release was asked for, no job holds the memory, and the encode is over."""
+        return (
+            self.release_requested
+            and self.jobs == 0
+            and self.phase is not Phase.ENCODING
+            and not self.retired
+        )
+
+    def request_release(self) -> bool:
+        """Stop new work; whether the record must be freed now."""
+        self.release_requested = True
+        return self.must_free()
+
+    def note_delivered(self, identity: str, default_count: int) -> None:
+        """Count a finished destination; enough of them release the request."""
+        self.delivered.add(identity)
+        if len(self.delivered) >= (self.receive_count or default_count):
+            self.release_requested = True
+
+    def cancel_jobs(self) -> None:
+        for cancel in list(self.cancels):
+            cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class _Retired:
+    expires_at: float
+    error: EncdisaggError | None
+
+
+class RequestTable:
+    """Live records by ``req_id``, plus what is remembered of ended and abandoned ids.
+
+    :param clock: the current time (the event loop's clock, or a test's).
+    :param remember_s: how long an ended id is remembered (to answer 409 instead of 404,
+        and to give late metadata waiters its error).
+    :param abandon_ttl_s: how long an ``abandon`` of an id not seen yet is remembered.
+    :param limit: at most this many ended and abandoned ids each are remembered.
+    """
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        *,
+        remember_s: float,
+        abandon_ttl_s: float,
+        limit: int = 10_000,
+    ) -> None:
+        self._clock = clock
+        self._remember_s = remember_s
+        self._abandon_ttl_s = abandon_ttl_s
+        self._limit = limit
+        self.live: dict[str, RequestRecord] = {}
+        self._retired: OrderedDict[str, _Retired] = OrderedDict()
+        self._abandoned: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def get(self, req_id: str) -> RequestRecord | None:
+        return self.live.get(req_id)
+
+    def _prune(self) -> None:
+        now = self._clock()
+        retired = self._retired
+        while retired:
+            key, entry = next(iter(retired.items()))
+            if entry.expires_at > now and len(retired) <= self._limit:
+                break
+            del retired[key]
+        abandoned = self._abandoned
+        while abandoned:
+            key, expires_at = next(iter(abandoned.items()))
+            if expires_at > now and len(abandoned) <= self._limit:
+                break
+            del abandoned[key]
+
+    def admit(self, request: EncodeRequest) -> RequestRecord:
+        """Start a fresh lifecycle for ``request.req_id``.
+
+        :raises RequestNotActiveError: the id is live, or was abandoned before this encode
+            (the abandon is used up: the id is remembered as ended).
+        """
+        req_id = request.req_id
+        if req_id in self.live:
+            raise RequestNotActiveError(f"req_id {req_id!r} is live already", req_id=req_id)
+        if self._abandoned:
+            self._prune()
+            if self._abandoned.pop(req_id, None) is not None:
+                self._remember(req_id, None)
+                raise RequestNotActiveError(
+                    f"req_id {req_id!r} was abandoned before its encode", req_id=req_id
+                )
+        # A reused id starts afresh: forget what its previous lifecycle left behind.
+        self._retired.pop(req_id, None)
+        record = RequestRecord(request)
+        self.live[req_id] = record
+        return record
+
+    def lookup(self, req_id: str) -> RequestRecord:
+        """The record of a live request that accepts new work.
+
+        :raises NotFoundError: the id is unknown.
+        :raises RequestNotActiveError: it ended or is being released.
+        """
+        record = self.live.get(req_id)
+        if record is None:
+            if self.ended(req_id):
+                raise RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
+            raise NotFoundError(f"req_id {req_id!r} is unknown", req_id=req_id)
+        if record.release_requested:
+            raise RequestNotActiveError(f"req_id {req_id!r} is being released", req_id=req_id)
+        return record
+
+    def ended(self, req_id: str) -> bool:
+        """Whether ``req_id`` is not live but ended recently."""
+        self._prune()
+        return req_id in self._retired
+
+    def ended_error(self, req_id: str) -> EncdisaggError | None:
+        """The error a recently ended ``req_id`` failed with, if any."""
+        self._prune()
+        entry = self._retired.get(req_id)
+        return None if entry is None else entry.error
+
+    def retire(self, record: RequestRecord) -> None:
+        """Forget a freed record; remember its id (and error) for late callers."""
+        record.retired = True
+        if self.live.get(record.req_id) is record:
+            del self.live[record.req_id]
+            self._remember(record.req_id, record.error)
+
+    def _remember(self, req_id: str, error: EncdisaggError | None) -> None:
+        self._retired[req_id] = _Retired(self._clock() + self._remember_s, error)
+        self._retired.move_to_end(req_id)
+        if len(self._retired) > self._limit:
+            self._prune()
+
+    def abandon(self, req_id: str) -> RequestRecord | None:
+        """Mark ``req_id`` for release: the live record to release, else None.
+
+        An id that ended recently is left alone (a late release of that lifecycle must not
+        refuse the retry that follows it); an id never seen is remembered for
+        ``abandon_ttl_s`` and refused by the encode that would create it.
+        """
+        record = self.live.get(req_id)
+        if record is not None:
+            return record
+        if self.ended(req_id):
+            return None
+        self._abandoned[req_id] = self._clock() + self._abandon_ttl_s
+        self._abandoned.move_to_end(req_id)
+        if len(self._abandoned) > self._limit:
+            self._prune()
+        return None
+
+    def abandoned(self, req_id: str) -> bool:
+        self._prune()
+        return req_id in self._abandoned
