@@ -156,8 +156,13 @@ async def test_the_retrier_leaves_alone_an_orphan_the_final_sweep_deregisters(
                 await encoder.release("r1")
                 lifetime.close.set()
                 await sweep.entered.wait()
-                # Virtual time: long past the retrier's first back-off.
+                # Virtual time: long past the retrier's first back-off, and past the
+                # sweep's own bound (cleanup_timeout_s), which closes the encoder while
+                # the call is still held.
                 await anyio.sleep(30)
+        # The held call was left running, keeping the memory alive and counted; once the
+        # engine lets go, it gives the bytes back.
+        await until(lambda: encoder.stats().staged_bytes == 0)
     assert lifetime.raised == []
     assert engine.deregistered == engine.registered
     assert engine.violations == []
