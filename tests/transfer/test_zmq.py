@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import gc
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import msgpack
 import pytest
 import torch
@@ -25,6 +26,8 @@ from encdisagg.transfer import (
 pytestmark = pytest.mark.anyio
 
 NOBODY = "tcp://127.0.0.1:1"
+# Rows of 16 float16 values in a payload that is sent zero-copy (tracked) by default: 128 KiB.
+TRACKED = 4096
 
 
 class _TrackingSocket(zmq.Socket):  # type: ignore[type-arg]
@@ -146,14 +149,14 @@ async def test_concurrent_sends_keep_header_and_payload_paired() -> None:
 async def test_send_to_nobody_times_out_and_releases_the_payload(
     tracking: _TrackingContext,
 ) -> None:
-    payload = torch.ones(1024, 16, dtype=torch.float16)
+    payload = torch.ones(TRACKED, 16, dtype=torch.float16)
     async with ZmqPushPool(send_timeout_s=0.2, context=tracking) as pool:
         started = anyio.current_time()
         with (
             anyio.fail_after(5),
             pytest.raises(TransferError, match=r"timed out after 0\.2 s") as caught,
         ):
-            await pool.send(NOBODY, _header("late", 1024), payload_view(payload))
+            await pool.send(NOBODY, _header("late", TRACKED), payload_view(payload))
         assert anyio.current_time() - started >= 0.2
         assert caught.value.req_id == "late"
         assert tracking.trackers
@@ -164,11 +167,11 @@ async def test_send_to_nobody_times_out_and_releases_the_payload(
 async def test_cancelled_while_queued_returns_only_after_zmq_released_the_payload(
     tracking: _TrackingContext,
 ) -> None:
-    payload = torch.ones(1024, 16, dtype=torch.float16)
+    payload = torch.ones(TRACKED, 16, dtype=torch.float16)
     async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(pool.send, NOBODY, _header("r", 1024), payload_view(payload))
+                tg.start_soon(pool.send, NOBODY, _header("r", TRACKED), payload_view(payload))
                 await anyio.wait_all_tasks_blocked()
                 # Queued on a socket that cannot deliver: ZMQ holds the payload.
                 assert pool.endpoints == {NOBODY}
@@ -183,7 +186,7 @@ async def test_cancelled_while_queued_returns_only_after_zmq_released_the_payloa
 async def test_cancelled_while_waiting_for_room_leaves_the_socket_alone(
     tracking: _TrackingContext,
 ) -> None:
-    first, second = torch.ones(64, 16).half(), torch.ones(64, 16).half()
+    first, second = torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()
     async with ZmqPushPool(send_timeout_s=30, context=tracking, sndhwm=1) as pool:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
@@ -191,7 +194,7 @@ async def test_cancelled_while_waiting_for_room_leaves_the_socket_alone(
 
                 async def send(scope: anyio.CancelScope, req_id: str, tensor: torch.Tensor) -> None:
                     with scope:
-                        await pool.send(NOBODY, _header(req_id, 64), payload_view(tensor))
+                        await pool.send(NOBODY, _header(req_id, TRACKED), payload_view(tensor))
 
                 tg.start_soon(send, first_scope, "first", first)
                 await anyio.wait_all_tasks_blocked()
@@ -213,7 +216,7 @@ async def test_cancelled_while_waiting_for_room_leaves_the_socket_alone(
 async def test_a_send_whose_queue_was_dropped_by_another_failure_fails(
     tracking: _TrackingContext,
 ) -> None:
-    tensors = [torch.ones(64, 16).half(), torch.ones(64, 16).half()]
+    tensors = [torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()]
     outcome: list[str] = []
     async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
         with anyio.fail_after(5):
@@ -221,12 +224,12 @@ async def test_a_send_whose_queue_was_dropped_by_another_failure_fails(
 
                 async def survivor() -> None:
                     with pytest.raises(TransferError, match="connection was reset"):
-                        await pool.send(NOBODY, _header("a", 64), payload_view(tensors[0]))
+                        await pool.send(NOBODY, _header("a", TRACKED), payload_view(tensors[0]))
                     outcome.append("a failed")
 
                 async def victim(scope: anyio.CancelScope) -> None:
                     with scope:
-                        await pool.send(NOBODY, _header("b", 64), payload_view(tensors[1]))
+                        await pool.send(NOBODY, _header("b", TRACKED), payload_view(tensors[1]))
 
                 tg.start_soon(survivor)
                 scope = anyio.CancelScope()
@@ -240,14 +243,14 @@ async def test_a_send_whose_queue_was_dropped_by_another_failure_fails(
 
 async def test_the_next_send_reconnects_after_an_eviction() -> None:
     url = _free_tcp_url()
-    tensor = torch.arange(128, dtype=torch.float16).reshape(8, 16)
+    tensor = torch.randn(TRACKED, 16).half()
     async with ZmqPushPool(send_timeout_s=0.2) as pool:
         with anyio.fail_after(10):
             with pytest.raises(TransferError, match="timed out"):
-                await pool.send(url, _header("early", 8), payload_view(tensor))
+                await pool.send(url, _header("early", TRACKED), payload_view(tensor))
             assert pool.endpoints == frozenset()
             async with ZmqReceiver(url) as rx:
-                await pool.send(url, _header("later", 8), payload_view(tensor))
+                await pool.send(url, _header("later", TRACKED), payload_view(tensor))
                 part = await rx.receive()
     assert part.header.req_id == "later"
     assert part.tensor is not None
@@ -308,13 +311,13 @@ async def test_closing_the_receiver_wakes_a_waiting_receive() -> None:
 async def test_closing_the_pool_aborts_running_sends_after_release(
     tracking: _TrackingContext,
 ) -> None:
-    payload = torch.ones(256, 16, dtype=torch.float16)
+    payload = torch.ones(TRACKED, 16, dtype=torch.float16)
     outcome: list[str] = []
     pool = ZmqPushPool(send_timeout_s=30, context=tracking)
 
     async def send() -> None:
         with pytest.raises(TransferError, match="push pool closed"):
-            await pool.send(NOBODY, _header("r", 256), payload_view(payload))
+            await pool.send(NOBODY, _header("r", TRACKED), payload_view(payload))
         outcome.append("aborted")
 
     with anyio.fail_after(5):
@@ -326,7 +329,7 @@ async def test_closing_the_pool_aborts_running_sends_after_release(
             assert outcome == ["aborted"]
             assert all(tracker.done for tracker in tracking.trackers)
     with pytest.raises(TransferError, match="closed"):
-        await pool.send(NOBODY, _header("r", 256), payload_view(payload))
+        await pool.send(NOBODY, _header("r", TRACKED), payload_view(payload))
     await pool.aclose()  # idempotent
 
 
@@ -347,7 +350,7 @@ async def test_a_payload_that_does_not_match_its_header_is_refused() -> None:
 async def test_a_send_waiting_for_room_moves_to_a_fresh_socket_after_an_eviction(
     tracking: _TrackingContext,
 ) -> None:
-    first, second = torch.ones(64, 16).half(), torch.ones(64, 16).half()
+    first, second = torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()
     async with ZmqPushPool(send_timeout_s=30, context=tracking, sndhwm=1) as pool:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
@@ -355,12 +358,12 @@ async def test_a_send_waiting_for_room_moves_to_a_fresh_socket_after_an_eviction
 
                 async def send_first() -> None:
                     with first_scope:
-                        await pool.send(NOBODY, _header("first", 64), payload_view(first))
+                        await pool.send(NOBODY, _header("first", TRACKED), payload_view(first))
                     first_returned.set()
 
                 tg.start_soon(send_first)
                 await anyio.wait_all_tasks_blocked()
-                tg.start_soon(pool.send, NOBODY, _header("second", 64), payload_view(second))
+                tg.start_soon(pool.send, NOBODY, _header("second", TRACKED), payload_view(second))
                 await anyio.wait_all_tasks_blocked()
                 assert len(tracking.trackers) == 1
                 # Cancelling the queued send closes its socket, which wakes the send that
@@ -374,3 +377,117 @@ async def test_a_send_waiting_for_room_moves_to_a_fresh_socket_after_an_eviction
                 assert pool.endpoints == {NOBODY}
                 tg.cancel_scope.cancel()
             assert second_tracker.done
+
+
+@pytest.fixture
+def thread_calls(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
+    """Every function run in a worker thread; and anyio.sleep fails, so nothing polls."""
+    calls: list[Callable[..., Any]] = []
+    original = anyio.to_thread.run_sync
+
+    async def recording(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        calls.append(func)
+        return await original(func, *args, **kwargs)
+
+    async def no_sleep(delay: float, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"slept {delay} s")
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", recording)
+    monkeypatch.setattr(anyio, "sleep", no_sleep)
+    return calls
+
+
+def _release_waits(calls: list[Callable[..., Any]]) -> int:
+    return sum(call.__module__ == "encdisagg.transfer._zmq_release" for call in calls)
+
+
+async def test_a_zero_copy_send_returns_once_zmq_released_the_payload(
+    tracking: _TrackingContext, thread_calls: list[Callable[..., Any]]
+) -> None:
+    url = _free_tcp_url()
+    tensor = torch.randn(TRACKED, 16).half()
+    outcome: list[bool] = []
+    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+
+        async def send() -> None:
+            await pool.send(url, _header("r", TRACKED), payload_view(tensor))
+            outcome.append(tracking.trackers[0].done)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)
+                await anyio.wait_all_tasks_blocked()
+                # Nobody listens yet: ZMQ holds the payload, and the send waits for it.
+                [tracker] = tracking.trackers
+                assert not tracker.done
+                assert outcome == []
+                async with ZmqReceiver(url) as rx:
+                    part = await rx.receive()
+        assert outcome == [True]
+        assert part.tensor is not None
+        assert torch.equal(part.tensor, tensor)
+        # One thread waited for the release: no polling, no second hop.
+        assert _release_waits(thread_calls) == 1
+
+
+async def test_a_cancelled_zero_copy_send_waits_for_the_release_in_the_same_thread(
+    tracking: _TrackingContext, thread_calls: list[Callable[..., Any]]
+) -> None:
+    payload = torch.ones(TRACKED, 16, dtype=torch.float16)
+    returned: list[bool] = []
+    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+
+        async def send() -> None:
+            try:
+                await pool.send(NOBODY, _header("r", TRACKED), payload_view(payload))
+            finally:
+                returned.append(tracking.trackers[0].done)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)
+                await anyio.wait_all_tasks_blocked()
+                assert not tracking.trackers[0].done
+                tg.cancel_scope.cancel()
+        assert returned == [True]
+        assert pool.endpoints == frozenset()
+        assert _release_waits(thread_calls) == 1
+
+
+async def test_a_small_payload_is_copied_and_its_buffer_free_at_once(
+    tracking: _TrackingContext, thread_calls: list[Callable[..., Any]]
+) -> None:
+    url = _free_tcp_url()
+    rows = 2047  # 65,504 bytes: just under the default copy_below_bytes (64 KiB)
+    tensor = torch.full((rows, 16), 7.0, dtype=torch.float16)
+    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+        with anyio.fail_after(10):
+            # Nobody listens yet, and still the send returns: ZMQ queued its own copy.
+            await pool.send(url, _header("small", rows), payload_view(tensor))
+            await pool.send(url, _error_header("bad"), None)
+            tensor.fill_(-1.0)
+            assert tracking.trackers == []  # nothing zero-copy, nothing tracked
+            async with ZmqReceiver(url) as rx:
+                small, error = await rx.receive(), await rx.receive()
+    assert small.tensor is not None
+    assert torch.equal(small.tensor, torch.full((rows, 16), 7.0, dtype=torch.float16))
+    assert error.header == _error_header("bad")
+    assert _release_waits(thread_calls) == 0
+
+
+async def test_copy_below_bytes_sets_the_zero_copy_threshold(tracking: _TrackingContext) -> None:
+    below, at = torch.ones(31, 16).half(), torch.ones(32, 16).half()  # 992 and 1024 bytes
+    async with ZmqPushPool(send_timeout_s=30, context=tracking, copy_below_bytes=1024) as pool:
+        with anyio.fail_after(10):
+            await pool.send(NOBODY, _header("below", 31), payload_view(below))
+            assert tracking.trackers == []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pool.send, NOBODY, _header("at", 32), payload_view(at))
+                await anyio.wait_all_tasks_blocked()
+                [tracker] = tracking.trackers
+                assert not tracker.done  # zero-copy: held by ZMQ, the send waits
+                tg.cancel_scope.cancel()
+            assert tracker.done
+    for wrong in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="copy_below_bytes"):
+            ZmqPushPool(copy_below_bytes=wrong)  # type: ignore[arg-type]

@@ -9,7 +9,6 @@ read before every wait and again after every wake-up.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from typing import Any, Final, cast, final
@@ -29,17 +28,21 @@ from ._wire import (
     payload_nbytes,
     tensor_from_frame,
 )
+from ._zmq_release import wait_released
 
 __all__ = ["ReceivedPart", "ZmqPushPool", "ZmqReceiver"]
 
-logger = logging.getLogger(__name__)
-
-# ZMQ reports a released payload through a threading.Event, which no event loop can await;
-# it is polled with a short backoff instead. The cap bounds the delay a finished send
-# notices its release with (about 5 ms against ~40 ms for 64 MiB on loopback); a worker
-# thread per send blocked in tracker.wait() would cost a thread for the whole transfer.
-_POLL_FIRST_S: Final = 0.0005
-_POLL_MAX_S: Final = 0.005
+# Below this size a payload is copied into ZMQ's own message rather than tracked. Measured on
+# loopback: a tracked send costs ~0.25 ms whatever its size (ZMQ's release passes through
+# three threads), a copied one of 64 KiB ~0.06 ms; but the copy runs on the event loop
+# (~25 us at 64 KiB, ~0.1 ms at 256 KiB, ~0.4 ms at 1 MiB), and so would block it longer.
+DEFAULT_COPY_BELOW_BYTES: Final = 64 * 1024
+# How many tracked sends of one pool may wait for their release in worker threads at once;
+# further ones queue for a thread. Private, so that a slow receiver never takes the threads
+# of AnyIO's default limiter from model forwards and engine calls.
+_RELEASE_WAITER_THREADS: Final = 64
+# What a copied frame is tracked by: ZMQ never held the caller's memory.
+_NOTHING_HELD: Final = zmq.MessageTracker()
 
 
 async def _wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
@@ -49,14 +52,6 @@ async def _wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
     """
     while not cast(int, sock.getsockopt(zmq.EVENTS)) & event:
         await anyio.wait_readable(fd)
-
-
-async def _wait_released(tracker: zmq.MessageTracker) -> None:
-    """Return once ZMQ no longer references the frame ``tracker`` tracks."""
-    delay = _POLL_FIRST_S
-    while not tracker.done:
-        await anyio.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX_S)
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,7 +70,11 @@ class _Connection:
 
 @final
 class ZmqPushPool(anyio.AsyncContextManagerMixin):
-    """Pushes embedding messages (DESIGN §5.2) to PULL endpoints, zero-copy.
+    """Pushes embedding messages (DESIGN §5.2) to PULL endpoints.
+
+    Payloads of ``copy_below_bytes`` or more go out zero-copy: ZMQ reads the caller's memory
+    while it sends, and :meth:`send` waits until it let go. Smaller payloads, headers and
+    error parts are copied into ZMQ's own messages as they are queued.
 
     One persistent PUSH socket per endpoint URL, connected on first use. Use it as
     ``async with ZmqPushPool() as pool:``; leaving the block (or :meth:`aclose`) closes
@@ -89,6 +88,8 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
     :param release_timeout_s: how long a failed, cancelled or aborted send waits (shielded)
         for ZMQ to let go of its payload after dropping it. ZMQ drops it within
         milliseconds; the bound only keeps a broken ZMQ from hanging the caller.
+    :param copy_below_bytes: payloads smaller than this are copied rather than sent
+        zero-copy; 0 sends every payload zero-copy.
     """
 
     def __init__(
@@ -98,14 +99,19 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         context: zmq.Context[Any] | None = None,
         sndhwm: int = 16,
         release_timeout_s: float = 5.0,
+        copy_below_bytes: int = DEFAULT_COPY_BELOW_BYTES,
     ) -> None:
         if not send_timeout_s > 0:
             raise ValueError(f"send_timeout_s must be > 0; got {send_timeout_s!r}")
         if type(sndhwm) is not int or sndhwm < 1:
             raise ValueError(f"sndhwm must be an int >= 1; got {sndhwm!r}")
+        if type(copy_below_bytes) is not int or copy_below_bytes < 0:
+            raise ValueError(f"copy_below_bytes must be an int >= 0; got {copy_below_bytes!r}")
         self._send_timeout_s = send_timeout_s
         self._sndhwm = sndhwm
         self._release_timeout_s = release_timeout_s
+        self._copy_below_bytes = copy_below_bytes
+        self._release_waiters = anyio.CapacityLimiter(_RELEASE_WAITER_THREADS)
         self._context = context
         self._owns_context = context is None
         self._closed = False
@@ -125,24 +131,29 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         """Push ``[header, payload]`` to ``url``; return once ZMQ no longer holds ``payload``.
 
         ``payload`` (the C-contiguous embedding bytes, e.g. from
-        :func:`~encdisagg.transfer.payload_view`) is sent without copying. An error part
-        (``header.error`` set) has no payload. On return ZMQ has handed the whole message
-        to the kernel's TCP buffer, so the caller may reuse or free the memory right away.
-        ZMQ PUSH has no acknowledgments: a peer that disconnects mid-message loses it
-        silently, so a receiver must bound its own wait.
+        :func:`~encdisagg.transfer.payload_view`) is sent without copying if it has at
+        least ``copy_below_bytes``: the call then returns once ZMQ handed the whole message
+        to the kernel's TCP buffer. A smaller payload is copied into ZMQ's queue, and the
+        call returns as soon as it is queued. An error part (``header.error`` set) has no
+        payload and is queued the same way. Either way the caller may reuse or free the
+        memory right away on return. ZMQ PUSH has no acknowledgments: a peer that
+        disconnects mid-message loses it silently, and so does one whose connection is
+        reset (see below) while a copied message still waits in the queue, so a receiver
+        must bound its own wait.
 
         Concurrent sends to one URL queue their messages whole, one after another (frames
         never interleave); up to ``sndhwm`` messages wait in ZMQ's queue at once, the
         others wait for room. This is a checkpoint.
 
-        If ZMQ still holds the payload when the call gives up (``send_timeout_s`` ran out,
-        the caller was cancelled, or the pool closed), the endpoint's socket is closed with
-        linger 0 and evicted: ZMQ drops everything queued on it, including other sends'
-        messages, which then fail too. This call then waits (shielded, bounded by
-        ``release_timeout_s``) until ZMQ let go of the payload, and only then raises. A call
-        that gives up while its message still waits for room leaves the socket alone:
-        nothing of it reached ZMQ, and the messages queued ahead fare on their own. The
-        next send to an evicted URL connects afresh.
+        The wait for a zero-copy payload's release does not poll: one worker thread blocks
+        until ZMQ reports the release. If ZMQ still holds the payload when the call gives up
+        (``send_timeout_s`` ran out, the caller was cancelled, or the pool closed), the
+        endpoint's socket is closed with linger 0 and evicted: ZMQ drops everything queued
+        on it, including other sends' messages, which then fail too. This call then waits
+        (shielded, bounded by ``release_timeout_s``) until ZMQ let go of the payload, and
+        only then raises. A call that gives up while its message still waits for room
+        leaves the socket alone: nothing of it reached ZMQ, and the messages queued ahead
+        fare on their own. The next send to an evicted URL connects afresh.
 
         A timeout raises :class:`~encdisagg.TransferError` (502), not
         :class:`~encdisagg.RequestTimeoutError`: a peer that does not take the message is a
@@ -230,17 +241,25 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
     def _queue(
         self, connection: _Connection, head: bytes, payload: memoryview | None, what: str
     ) -> zmq.MessageTracker | None:
-        """Queue the message; its tracker, or None if ZMQ refused the first frame."""
+        """Queue the message; the payload's tracker, or None if ZMQ refused the first frame.
+
+        The header, an error part and a payload under ``copy_below_bytes`` are copied;
+        their tracker is one that is done already.
+        """
         sock = connection.socket
         try:
             if payload is None:
-                return sock.send(head, zmq.NOBLOCK, copy=False, track=True)
+                sock.send(head, zmq.NOBLOCK)
+                return _NOTHING_HELD
             sock.send(head, zmq.NOBLOCK | zmq.SNDMORE)
         except zmq.Again:
             return None
         try:
             # Once the first frame is in, ZMQ takes the rest of the message regardless of
             # the high-water mark.
+            if payload.nbytes < self._copy_below_bytes:
+                sock.send(payload, zmq.NOBLOCK, copy=True)
+                return _NOTHING_HELD
             return sock.send(payload, zmq.NOBLOCK, copy=False, track=True)
         except zmq.ZMQError as exc:
             # Half a message may sit in the queue: the socket can never be used again.
@@ -250,22 +269,18 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
     async def _wait_released(
         self, connection: _Connection, tracker: zmq.MessageTracker, what: str
     ) -> None:
-        try:
-            await _wait_released(tracker)
-        except BaseException:
-            # Timed out, cancelled or aborted while ZMQ holds the payload. ZMQ cannot
-            # unqueue one message: closing the socket with linger 0 drops its queue, after
-            # which ZMQ lets go of the buffer. Only then may the caller see the exception.
-            self._evict(connection)
-            with anyio.move_on_after(self._release_timeout_s, shield=True):
-                await _wait_released(tracker)
-            if not tracker.done:
-                logger.error(
-                    "%s: ZMQ still references the payload %s s after its socket was closed",
-                    what,
-                    self._release_timeout_s,
-                )
-            raise
+        # A send that gives up (timed out, cancelled, aborted) while ZMQ holds the payload
+        # drops the connection: ZMQ cannot unqueue one message, but closing the socket with
+        # linger 0 drops its queue, after which ZMQ lets go of the buffer.
+        await wait_released(
+            tracker,
+            what,
+            drop=lambda: self._evict(connection),
+            drop_bound_s=self._release_timeout_s,
+            # Past any deadline of the send: the send gives up (and evicts) before it.
+            thread_bound_s=self._send_timeout_s + self._release_timeout_s + 1.0,
+            limiter=self._release_waiters,
+        )
         if connection.broken:
             raise TransferError(
                 f"{what} failed: the connection was reset while the message was queued "
@@ -286,7 +301,8 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             # then its send has either seen the payload handed over or is failing anyway.
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
-            # Track every frame sent with copy=False, however small (error parts too).
+            # Track every frame sent with copy=False, however small: which ones are copied
+            # is decided by copy_below_bytes alone.
             sock.copy_threshold = 0
             sock.connect(url)
             fd = cast(int, sock.getsockopt(zmq.FD))
