@@ -14,8 +14,10 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import IO
 
 import anyio
 import anyio.to_thread
@@ -168,18 +170,24 @@ async def test_mooncake_peer_killed_mid_run() -> None:
     pytest.importorskip("mooncake.engine")
     nbytes = 8 * 2048 * 64 * 2  # eight 256 KiB slots
 
-    def start_peer() -> tuple[subprocess.Popen[str], dict[str, object]]:
+    def start_peer(errors: IO[bytes]) -> tuple[subprocess.Popen[str], dict[str, object]]:
         process = subprocess.Popen(
             [sys.executable, "-m", "tests.transfer._mooncake_peer", str(nbytes)],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=errors,  # a file, not a pipe: Mooncake logs enough to fill one
             text=True,
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         assert process.stdout is not None
-        return process, json.loads(process.stdout.readline())
+        # The readiness handshake: the peer announces itself once its buffer is registered.
+        line = process.stdout.readline()
+        if not line:
+            process.wait(30)
+            errors.seek(0)
+            raise AssertionError(f"the Mooncake peer did not start:\n{errors.read()[-2000:]!r}")
+        return process, json.loads(line)
 
     def stop_peer(process: subprocess.Popen[str]) -> None:
         for stream in (process.stdin, process.stdout):
@@ -190,58 +198,87 @@ async def test_mooncake_peer_killed_mid_run() -> None:
     config = fast_config(transfer="mooncake", max_batch_size=4)
     model = NullVisionModel(hidden_size=64, tokens_per_item=2048)
     requests = sized(16, 400)
-    outcomes: Counter[str] = Counter()
-    async with Encoder(config, model=model) as encoder:
-        process, peer = await anyio.to_thread.run_sync(start_peer)
-        try:
-            session, base = str(peer["session_id"]), int(str(peer["ptr"]))
-            killed = anyio.Event()
+    kill_after = requests // 4  # requests finished (all delivered) before the kill
+    # Each request ends in one of three phases: "alive" (finished before the kill was
+    # decided: it must be delivered), "dying" (running while the peer is killed: either
+    # outcome), "dead" (started once the peer was reaped: it must fail).
+    outcomes: dict[str, Counter[str]] = {"alive": Counter(), "dying": Counter(), "dead": Counter()}
+    with tempfile.TemporaryFile() as errors:
+        async with Encoder(config, model=model) as encoder:
+            process, peer = await anyio.to_thread.run_sync(start_peer, errors)
+            try:
+                session, base = str(peer["session_id"]), int(str(peer["ptr"]))
+                kill_now, dead = anyio.Event(), anyio.Event()
+                finished = 0
+                limiter = anyio.CapacityLimiter(4)  # requests in flight at once
 
-            async def one(index: int) -> None:
-                rid = f"mc-{index}"
-                slot = base + (index % 8) * (nbytes // 8)
-                destination = MooncakeDestination(session, slot, "peer:1")
-                with anyio.fail_after(10):
-                    try:
-                        await encoder.encode(EncodeRequest(rid, [rid]))
-                        await encoder.send(rid, destination)
-                        outcomes["delivered"] += 1
-                    except TransferError:
-                        outcomes["TransferError"] += 1
-                if index == requests // 4:
-                    killed.set()
-
-            async def kill() -> None:
-                await killed.wait()
-                os.kill(process.pid, signal.SIGKILL)
-
-            async with anyio.create_task_group() as group:
-                group.start_soon(kill)
-                limiter = anyio.CapacityLimiter(4)
-
-                async def limited(index: int) -> None:
+                async def one(index: int) -> None:
+                    nonlocal finished
+                    rid = f"mc-{index}"
+                    slot = base + (index % 8) * (nbytes // 8)
+                    destination = MooncakeDestination(session, slot, "peer:1")
                     async with limiter:
-                        await one(index)
+                        # The kill is decided by how many requests finished, not by which
+                        # (Trio starts tasks in a shuffled order); one that starts after it
+                        # was decided waits until the peer is reaped, so it cannot slip
+                        # through while the killed process is still being torn down.
+                        started_after_kill = kill_now.is_set()
+                        if started_after_kill:
+                            await dead.wait()
+                        # Far above the Encoder's own bounds (request_timeout_s 5 s,
+                        # send_timeout_s 10 s, cleanup 2 s): the Encoder must end the call
+                        # itself, with success or TransferError.
+                        with anyio.fail_after(60):
+                            try:
+                                await encoder.encode(EncodeRequest(rid, [rid]))
+                                await encoder.send(rid, destination)
+                                outcome = "delivered"
+                            except TransferError:
+                                outcome = "TransferError"
+                        phase = (
+                            "dead"
+                            if started_after_kill
+                            else "dying"
+                            if kill_now.is_set()
+                            else "alive"
+                        )
+                        outcomes[phase][outcome] += 1
+                        finished += 1
+                        if finished == kill_after:
+                            kill_now.set()  # before the slot is released: the next one sees it
 
-                for index in range(requests):
-                    group.start_soon(limited, index)
-        finally:
-            process.kill()
-            await anyio.to_thread.run_sync(stop_peer, process)
-        assert outcomes["delivered"] > 0, outcomes
-        assert outcomes["TransferError"] > 0, outcomes
-        await wait_idle(encoder)
-        assert_idle(encoder)
+                async def kill() -> None:
+                    await kill_now.wait()
+                    os.kill(process.pid, signal.SIGKILL)
+                    await anyio.to_thread.run_sync(process.wait, 60)
+                    dead.set()
 
-        # A new peer: deliveries work again.
-        process, peer = await anyio.to_thread.run_sync(start_peer)
-        try:
-            for index in range(3):
-                rid = f"after-{index}"
-                await encoder.encode(EncodeRequest(rid, [rid]))
-                await encoder.send(
-                    rid, MooncakeDestination(str(peer["session_id"]), int(str(peer["ptr"])), "p")
-                )
-        finally:
-            await anyio.to_thread.run_sync(stop_peer, process)
-        assert_idle(encoder)
+                async with anyio.create_task_group() as group:
+                    group.start_soon(kill)
+                    for index in range(requests):
+                        group.start_soon(one, index)
+            finally:
+                process.kill()
+                await anyio.to_thread.run_sync(stop_peer, process)
+            assert outcomes["alive"] == Counter(delivered=kill_after), outcomes
+            # At most four were running when the kill was decided; all later ones started
+            # against a dead peer.
+            assert outcomes["dead"]["TransferError"] >= requests - kill_after - 4, outcomes
+            assert outcomes["dead"]["delivered"] == 0, outcomes
+            assert sum(c.total() for c in outcomes.values()) == requests, outcomes
+            await wait_idle(encoder)
+            assert_idle(encoder)
+
+            # A new peer: deliveries work again.
+            process, peer = await anyio.to_thread.run_sync(start_peer, errors)
+            try:
+                for index in range(3):
+                    rid = f"after-{index}"
+                    await encoder.encode(EncodeRequest(rid, [rid]))
+                    await encoder.send(
+                        rid,
+                        MooncakeDestination(str(peer["session_id"]), int(str(peer["ptr"])), "p"),
+                    )
+            finally:
+                await anyio.to_thread.run_sync(stop_peer, process)
+            assert_idle(encoder)
