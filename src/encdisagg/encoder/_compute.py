@@ -50,7 +50,6 @@ class ComputePath:
         *,
         cache: PrefixCache,
         events: EncoderEvents,
-        batcher: Batcher | None,
         global_cache: GlobalCache | None = None,
         keys: KeySpace | None = None,
     ) -> None:
@@ -58,7 +57,17 @@ class ComputePath:
         self._config = config
         self._cache = cache
         self._events = events
-        self._batcher = batcher
+        #: Fuses forwards of a blocking model; None for a model called inline. Its task is
+        #: the Encoder's to run.
+        self.batcher: Batcher | None = None
+        if calls_block(model):
+            self.batcher = Batcher(
+                model,
+                max_batch_size=config.max_batch_size,
+                max_queued_jobs=config.max_queued_jobs,
+                on_batch=lambda size, seconds: events.phase("forward", seconds),
+                on_queue=lambda seconds: events.phase("queue", seconds),
+            )
         self._global = global_cache
         self._keys = keys
         self._inline = not calls_block(model)
@@ -122,9 +131,9 @@ class ComputePath:
     ) -> list[torch.Tensor]:
         """Forward each element of ``batch`` (the batcher may fuse them with each other and
         with other requests' jobs); every output's row count is checked."""
-        if self._batcher is None:
+        batcher = self.batcher
+        if batcher is None:
             return self._forward_inline(request, batch)
-        batcher = self._batcher
         jobs = [ForwardJob(request.req_id, request.kind, pre) for pre in batch]
         start = anyio.current_time()
         try:

@@ -1,19 +1,12 @@
 """The Encoder: the public face of the request lifecycle.
 
-Ownership tree (docs/architecture.md has the picture)::
-
-    Encoder                       async with: opens the parts below, closes them in reverse
-     ├─ region owner task         the staging arena and every engine registration
-     ├─ services                  the batcher (blocking models) and the deadline keeper
-     └─ pushes                    Encoder-initiated ZMQ pushes (register_destinations)
-    requests                      one record per live req_id (``_table``); every encode,
-                                  send and push on it is a job counted there, and the
-                                  record is freed by its last job
-
-This module only wires the rooms together and carries the public contract; the decisions
-live in ``_table`` (what a request may do), ``_lifecycle`` (its jobs), ``_compute``
-(preprocess, batch, forward, caches), ``_regions`` (memory and registrations) and
-``_delivery`` (writes and pushes).
+Ownership (docs/architecture.md has the picture): the Encoder's block owns the region
+owner task (the staging arena and every engine registration), the services (batcher,
+deadline keeper) and the push task group; every request is a record whose jobs (encode,
+sends, pushes) are counted, and whose last job frees it. This module wires the rooms
+together and carries the public contract: ``_table`` decides what a request may do,
+``_lifecycle`` runs its jobs, ``_compute`` and ``_delivery`` do the work, ``_regions``
+owns the memory.
 """
 
 from __future__ import annotations
@@ -23,19 +16,12 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
 import anyio.lowlevel
-import torch
 
 from .._config import EncoderConfig
 from .._errors import BadRequestError, ServiceUnavailableError
-from ..cache import (
-    GlobalCache,
-    GlobalCacheStats,
-    KeySpace,
-    ensure_mooncake_store,
-    parse_global_cache_url,
-)
-from ..models import VisionModel, load_model
-from ..nurseries import ServiceTaskGroup, collapse_single_error, run_thread_to_completion
+from ..cache import GlobalCache, GlobalCacheStats
+from ..models import VisionModel
+from ..nurseries import ServiceTaskGroup, collapse_single_error
 from ..transfer import TransferEngine, ZmqPushPool
 from ._batcher import Batcher
 from ._budget import StagedBudget
@@ -44,7 +30,8 @@ from ._compute import ComputePath
 from ._delivery import Delivery
 from ._events import EncoderEvents
 from ._lifecycle import RequestLifecycle
-from ._regions import RegionOwner, calls_block
+from ._parts import global_cache_settings, load_configured_model, open_engine, open_global_cache
+from ._regions import RegionOwner
 from ._types import (
     Destination,
     EncodeRequest,
@@ -111,63 +98,35 @@ class Encoder(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def _running(self) -> AsyncGenerator[None]:
         config = self.config
-        global_settings = None
-        if config.global_cache is not None:
-            # Before the model loads: a bad URL fails fast.
-            global_settings = parse_global_cache_url(
-                config.global_cache, default_host=config.mooncake_host
-            )
-            await run_thread_to_completion(ensure_mooncake_store)
+        # Before the model loads: a bad global cache URL fails fast.
+        global_settings = await global_cache_settings(config)
         async with AsyncExitStack() as stack:
             model = self._model
             if model is None:
-                model = self._model = await run_thread_to_completion(self._load_model)
+                model = self._model = await load_configured_model(config)
             if self._engine is None:
-                self._engine = await self._open_engine(stack)
+                self._engine = await open_engine(config, stack)
             keys = None
             if global_settings is not None:
                 # Entered before the request groups, so it closes after every request ended.
-                keys = KeySpace.for_model(model)
-                self._global = await stack.enter_async_context(
-                    GlobalCache(
-                        global_settings,
-                        hidden_size=model.hidden_size,
-                        dtype=model.dtype,
-                        on_event=self._events.on_global_cache,
-                        on_breaker=self._events.on_breaker,
-                        close_timeout_s=config.cleanup_timeout_s,
-                    )
+                self._global, keys = await open_global_cache(
+                    config, global_settings, model, self._events, stack
                 )
             zmq = await stack.enter_async_context(
                 ZmqPushPool(send_timeout_s=config.zmq_send_timeout_s)
             )
-            device = getattr(model, "device", None)
-            regions = self._regions = RegionOwner(
-                self._engine,
-                self._budget,
-                arena_bytes=config.arena_bytes,
-                device=device if isinstance(device, torch.device) else torch.device("cpu"),
-                cleanup_timeout_s=config.cleanup_timeout_s,
-                clock=anyio.current_time,
+            regions = self._regions = RegionOwner.for_model(
+                self._engine, self._budget, model, config
             )
-            batcher = None
-            if calls_block(model):
-                batcher = self._batcher = Batcher(
-                    model,
-                    max_batch_size=config.max_batch_size,
-                    max_queued_jobs=config.max_queued_jobs,
-                    on_batch=lambda size, seconds: self._events.phase("forward", seconds),
-                    on_queue=lambda seconds: self._events.phase("queue", seconds),
-                )
             compute = ComputePath(
                 model,
                 config,
                 cache=self._cache,
                 events=self._events,
-                batcher=batcher,
                 global_cache=self._global,
                 keys=keys,
             )
+            batcher = self._batcher = compute.batcher
             async with anyio.create_task_group() as owner:
                 await owner.start(regions.run)
                 try:
@@ -196,37 +155,6 @@ class Encoder(anyio.AsyncContextManagerMixin):
                     # Every request was freed: the owner sweeps what was handed to it,
                     # deregisters the arena and ends.
                     regions.stop_accepting()
-
-    def _load_model(self) -> VisionModel:
-        config = self.config
-        return load_model(
-            config.model,
-            dtype=config.dtype,
-            device=config.device,
-            max_media_bytes=config.max_media_bytes,
-            remote_media_domains=config.remote_media_domains,
-            allow_local_files=config.allow_local_files,
-        )
-
-    async def _open_engine(self, stack: AsyncExitStack) -> TransferEngine | None:
-        config = self.config
-        if config.transfer == "mooncake":
-            from ..transfer import MooncakeEngine
-
-            engine: TransferEngine = await stack.enter_async_context(
-                MooncakeEngine(
-                    hostname=config.mooncake_host,
-                    metadata_server=config.mooncake_metadata,
-                    protocol=config.mooncake_protocol,
-                    device_name=config.mooncake_device,
-                )
-            )
-            return engine
-        if config.transfer == "loopback":
-            from ..transfer import LoopbackEngine
-
-            return LoopbackEngine()
-        return None
 
     @property
     def engine(self) -> TransferEngine | None:

@@ -438,6 +438,8 @@ class RequestLifecycle:
         that bound, or after a failed attempt, the work
         goes on where it belongs (the record's last job frees it; the region owner keeps
         the region, its memory counted as staged): nothing is reported failed."""
+        if record.retired and record.handover is None:
+            return
         with anyio.move_on_after(self.config.cleanup_timeout_s, shield=True):
             while not record.retired:
                 await self.wakeups.park(record.req_id)

@@ -33,6 +33,7 @@ import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._config import EncoderConfig
 from .._errors import TransferError
 from ..nurseries import run_thread_to_completion
 from ..transfer import TransferEngine
@@ -149,6 +150,25 @@ class RegionOwner:
         self._receive: MemoryObjectReceiveStream[Handover] = receive
         #: Handed over and not yet deregistered (pending, failed, or stuck in the engine).
         self.unresolved: set[Handover] = set()
+
+    @classmethod
+    def for_model(
+        cls,
+        engine: TransferEngine | None,
+        budget: StagedBudget,
+        model: object,
+        config: EncoderConfig,
+    ) -> RegionOwner:
+        """An owner whose arena (``config.arena_bytes``) lives on the model's device."""
+        device = getattr(model, "device", None)
+        return cls(
+            engine,
+            budget,
+            arena_bytes=config.arena_bytes,
+            device=device if isinstance(device, torch.device) else torch.device("cpu"),
+            cleanup_timeout_s=config.cleanup_timeout_s,
+            clock=anyio.current_time,
+        )
 
     @property
     def registered(self) -> int:

@@ -46,6 +46,9 @@ class NullVisionModel:
     :param dtype: dtype of the returned tensors.
     """
 
+    #: Its calls do no I/O and finish in microseconds: the Encoder calls them inline.
+    blocking = False
+
     def __init__(
         self, hidden_size: int = 64, tokens_per_item: int = 16, dtype: torch.dtype = torch.float16
     ) -> None:

@@ -62,6 +62,11 @@ class VisionModel(Protocol):
 
     ``preprocess`` may run in several worker threads at once; ``forward`` runs in one worker
     thread at a time, which need not be the thread that built the model.
+
+    Optional: a class attribute ``blocking = False`` says that both calls finish in
+    microseconds without I/O (like :class:`NullVisionModel`); the Encoder then calls them
+    inline on its event loop, with no worker thread and no batching. Without it, a model is
+    taken to block.
     """
 
     @property

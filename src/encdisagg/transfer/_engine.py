@@ -11,9 +11,29 @@ __all__ = ["TransferEngine"]
 class TransferEngine(Protocol):
     """Moves bytes from local registered memory into a peer's registered memory.
 
-    Every call blocks; the Encoder calls them from worker threads, never on the event loop.
-    Failures raise :class:`~encdisagg.TransferError` naming the call (and the engine's return
-    code where it has one).
+    Calls may block; the Encoder makes them from worker threads that are never abandoned,
+    unless the engine has a class attribute ``blocking = False`` (its calls finish in
+    microseconds without waiting on a peer, like :class:`LoopbackEngine`'s), in which case
+    they are made inline on the event loop. Failures raise :class:`~encdisagg.TransferError`
+    naming the call (and the engine's return code where it has one).
+
+    What an engine must guarantee:
+
+    - ``register`` either registers the whole range or raises having registered nothing;
+      ``deregister`` either drops the registration or raises having kept it (then the same
+      ``deregister`` may be called again later);
+    - ``write`` returns (or raises) only once it stopped reading local memory;
+    - calls are thread-safe: the Encoder may make several at once, from several threads.
+
+    It need not detect overlapping registrations, double deregistrations or writes from
+    unregistered memory (a NIC would not); the Encoder never asks for them:
+
+    - a pointer is never registered twice at once (the staging arena is registered once; a
+      request's own region once; per-send registrations of one request are serialised);
+    - ``deregister`` is called only after every ``write`` from that memory returned, never
+      twice for one successful registration, and never concurrently for one region;
+    - memory stays allocated (and counted as staged) until its ``deregister`` returned,
+      also when that takes longer than the Encoder's cleanup bound.
     """
 
     @property

@@ -66,6 +66,10 @@ class LoopbackEngine(anyio.AsyncContextManagerMixin):
     :raises TransferError: if ``name`` is taken on the fabric.
     """
 
+    #: Its calls are in-process copies that never wait on a peer: callers may make them
+    #: inline, on the event loop.
+    blocking = False
+
     def __init__(self, fabric: LoopbackFabric | None = None, *, name: str | None = None) -> None:
         self._fabric = LoopbackFabric() if fabric is None else fabric
         self._regions = RegionTable()  # guarded by the fabric's lock
