@@ -1,0 +1,206 @@
+"""The staging arena inside the Encoder: one registration for every request that fits, a
+request's own registration (deregistered once) for every one that does not."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import anyio
+import pytest
+import torch
+
+from encdisagg import Encoder, EncodeRequest, EncodeResult, Modality, MooncakeDestination
+from encdisagg.transfer import LoopbackEngine, LoopbackFabric
+
+from .fakes import RecordingEngine, ScriptedModel
+
+pytestmark = pytest.mark.anyio
+
+MakeEncoder = Callable[..., Encoder]
+
+#: float32 rows of 256 values: 1 KiB a token, values exact far past the sizes used here.
+HIDDEN = 256
+KIB = 1024
+
+
+def wide_model() -> ScriptedModel:
+    return ScriptedModel(hidden_size=HIDDEN, dtype=torch.float32)
+
+
+def expected(model: ScriptedModel, tokens: int) -> torch.Tensor:
+    pre = model.preprocess([tokens], Modality.IMAGE)
+    return torch.cat(model.forward([pre]))
+
+
+def landed(buffer: torch.Tensor, result: EncodeResult) -> torch.Tensor:
+    return buffer.view(torch.float32).reshape(result.num_tokens, result.hidden_size)
+
+
+def arena_blocks(encoder: Encoder) -> int:
+    regions = encoder._regions
+    assert regions is not None
+    assert regions.arena is not None
+    return regions.arena.allocated
+
+
+def register_counts(engine: RecordingEngine) -> tuple[Counter[str], Counter[str]]:
+    """How many times each pointer was registered, and deregistered."""
+    registered: Counter[str] = Counter()
+    deregistered: Counter[str] = Counter()
+    for line in engine.log:
+        verb, _, ptr = line.partition(" ")
+        if verb == "register":
+            registered[ptr] += 1
+        elif verb == "deregister":
+            deregistered[ptr] += 1
+    return registered, deregistered
+
+
+async def deliver(
+    encoder: Encoder, engine: RecordingEngine, model: ScriptedModel, result: EncodeResult
+) -> None:
+    buffer = engine.add_remote_buffer(result.nbytes)
+    destination = MooncakeDestination(engine.session_id, buffer.data_ptr(), "prefill:1")
+    await encoder.send(result.req_id, destination)
+    tokens = result.num_tokens
+    assert torch.equal(landed(buffer, result), expected(model, tokens))
+
+
+async def test_every_request_that_fits_uses_the_one_arena_registration(
+    make_encoder: MakeEncoder,
+) -> None:
+    model, engine = wide_model(), RecordingEngine()
+    async with make_encoder(model=model, engine=engine, staging_arena_mb=1) as encoder:
+        assert engine.registrations == 1
+        assert encoder.stats().registered_regions == 1
+        for index in range(6):
+            result = await encoder.encode(EncodeRequest(f"r{index}", [100 + index]))
+            assert encoder.stats().staged_bytes == result.nbytes
+            assert arena_blocks(encoder) == 1
+            await deliver(encoder, engine, model, result)
+            stats = encoder.stats()
+            assert (stats.live_requests, stats.staged_bytes) == (0, 0)
+            assert stats.registered_regions == 1
+            assert arena_blocks(encoder) == 0
+        # Concurrent ones share the arena too.
+        results = [await encoder.encode(EncodeRequest(f"c{i}", [50 + i])) for i in range(4)]
+        assert arena_blocks(encoder) == 4
+        async with anyio.create_task_group() as tg:
+            for result in results:
+                tg.start_soon(deliver, encoder, engine, model, result)
+        assert engine.registrations == 1
+        assert engine.deregistrations == 0
+        assert encoder.stats().registered_regions == 1
+        assert encoder.stats().staged_bytes == 0
+    assert encoder.stats().registered_regions == 0
+    assert engine.deregistrations == 1
+    assert engine.regions == {}
+    assert engine.violations == []
+
+
+async def test_a_full_arena_falls_back_to_an_own_registration_deregistered_once(
+    make_encoder: MakeEncoder,
+) -> None:
+    model, engine = wide_model(), RecordingEngine()
+    async with make_encoder(model=model, engine=engine, staging_arena_mb=1) as encoder:
+        # 600 KiB takes a 1 MiB block: the whole arena.
+        first = await encoder.encode(EncodeRequest("fills", [600]))
+        assert arena_blocks(encoder) == 1
+        second = await encoder.encode(EncodeRequest("falls-back", [300]))
+        # Bigger than the arena itself: never fits.
+        third = await encoder.encode(EncodeRequest("too-big", [1100]))
+        assert arena_blocks(encoder) == 1
+        assert engine.registrations == 3
+        assert encoder.stats().registered_regions == 3
+        assert encoder.stats().staged_bytes == first.nbytes + second.nbytes + third.nbytes
+        for result in (second, first, third):
+            await deliver(encoder, engine, model, result)
+        assert engine.deregistrations == 2
+        assert encoder.stats().registered_regions == 1
+        assert encoder.stats().staged_bytes == 0
+        # The arena is free again: the next request fits and registers nothing.
+        again = await encoder.encode(EncodeRequest("fits-again", [300]))
+        assert arena_blocks(encoder) == 1
+        await deliver(encoder, engine, model, again)
+        assert engine.registrations == 3
+    registered, deregistered = register_counts(engine)
+    assert registered == deregistered
+    assert set(registered.values()) == {1}
+    assert engine.violations == []
+
+
+async def test_many_concurrent_requests_overflow_the_arena_and_each_fallback_once(
+    make_encoder: MakeEncoder,
+) -> None:
+    model, engine = wide_model(), RecordingEngine()
+    async with make_encoder(model=model, engine=engine, staging_arena_mb=1) as encoder:
+        results: list[EncodeResult] = []
+
+        async def encode(req_id: str) -> None:
+            # 200 KiB takes a 256 KiB block: four fit.
+            results.append(await encoder.encode(EncodeRequest(req_id, [200])))
+
+        async with anyio.create_task_group() as tg:
+            for index in range(12):
+                tg.start_soon(encode, f"r{index}")
+        assert arena_blocks(encoder) == 4
+        assert engine.registrations == 1 + 8
+        assert encoder.stats().staged_bytes == sum(r.nbytes for r in results)
+        async with anyio.create_task_group() as tg:
+            for result in results:
+                tg.start_soon(deliver, encoder, engine, model, result)
+        assert engine.deregistrations == 8
+        stats = encoder.stats()
+        assert (stats.live_requests, stats.staged_bytes, stats.registered_regions) == (0, 0, 1)
+        assert arena_blocks(encoder) == 0
+    registered, deregistered = register_counts(engine)
+    assert registered == deregistered
+    assert len(registered) == 9
+    assert set(registered.values()) == {1}
+    assert engine.violations == []
+
+
+async def test_no_arena_is_registered_with_staging_arena_mb_zero(
+    make_encoder: MakeEncoder,
+) -> None:
+    model, engine = wide_model(), RecordingEngine()
+    async with make_encoder(model=model, engine=engine, staging_arena_mb=0) as encoder:
+        assert engine.registrations == 0
+        assert encoder.stats().registered_regions == 0
+        assert encoder._regions is not None
+        assert encoder._regions.arena is None
+        for index in range(3):
+            result = await encoder.encode(EncodeRequest(f"r{index}", [64]))
+            assert encoder.stats().registered_regions == 1
+            await deliver(encoder, engine, model, result)
+            assert encoder.stats().registered_regions == 0
+        assert engine.registrations == engine.deregistrations == 3
+    assert engine.violations == []
+
+
+async def test_loopback_delivers_exact_bytes_from_the_arena(make_encoder: MakeEncoder) -> None:
+    model = wide_model()
+    fabric = LoopbackFabric()
+    async with (
+        LoopbackEngine(fabric, name="encoder") as engine,
+        LoopbackEngine(fabric, name="prefill") as prefill,
+    ):
+        async with make_encoder(model=model, engine=engine, staging_arena_mb=1) as encoder:
+            assert engine.registered_regions() == 1
+            landing = torch.zeros(1100 * KIB, dtype=torch.uint8)
+            prefill.register(landing.data_ptr(), landing.numel())
+            for index, tokens in enumerate((100, 600, 1100, 37)):
+                result = await encoder.encode(EncodeRequest(f"r{index}", [tokens]))
+                # Only the one bigger than the arena registers its own memory.
+                assert engine.registered_regions() == (2 if tokens == 1100 else 1)
+                destination = MooncakeDestination("prefill", landing.data_ptr(), "prefill:1")
+                await encoder.send(result.req_id, destination)
+                got = landed(landing[: result.nbytes], result)
+                assert torch.equal(got, expected(model, tokens))
+                stats = encoder.stats()
+                assert (stats.live_requests, stats.staged_bytes) == (0, 0)
+                assert stats.registered_regions == engine.registered_regions() == 1
+            prefill.deregister(landing.data_ptr())
+        assert engine.registered_regions() == 0
+        assert encoder.stats().registered_regions == 0
