@@ -77,6 +77,11 @@ class ComputePath:
     def model(self) -> VisionModel:
         return self._model
 
+    @property
+    def inline(self) -> bool:
+        """Whether :meth:`run` never waits (a model called inline, no global tier)."""
+        return self._inline and self._global is None
+
     async def run(
         self, request: EncodeRequest, on_preprocessed: OnPreprocessed
     ) -> tuple[torch.Tensor, Preprocessed, bool]:

@@ -12,6 +12,7 @@ import anyio
 
 from .._errors import TransferError
 from ..transfer import EmbeddingHeader, ZmqPushPool, payload_view
+from ._jobs import Job
 from ._regions import RegionOwner, Staged
 from ._table import Phase, RequestRecord
 from ._types import MooncakeDestination
@@ -30,8 +31,9 @@ class Delivery:
         self._regions = regions
         self._zmq = zmq
 
-    async def write(self, record: RequestRecord, destination: MooncakeDestination) -> None:
+    async def write(self, job: Job, destination: MooncakeDestination) -> None:
         """Write the staged embedding into ``destination``'s registered buffer."""
+        record = job.record
         regions = self._regions
         engine = regions.engine
         if engine is None:
@@ -46,35 +48,45 @@ class Delivery:
             # deregistration is the record's own from then on, and the next send reuses it.
             if record.fallback_lock is None:
                 record.fallback_lock = anyio.Lock()
-            async with record.fallback_lock:
-                if _needs_own_registration(staged):
-                    await regions.call(
-                        regions.write_with_own_registration,
-                        staged,
-                        destination.session_id,
-                        destination.buffer_address,
-                        record.req_id,
-                    )
-                    return
-        await regions.call(
-            engine.write,
-            destination.session_id,
-            staged.ptr,
-            destination.buffer_address,
-            staged.nbytes,
-        )
-
-    async def push(self, record: RequestRecord, url: str) -> None:
-        """Push the embedding (or the request's error part) to a ZMQ PULL endpoint."""
-        header = _header(record)
-        if record.phase is Phase.FAILED:
-            await self._zmq.send(url, header, None)
+            with job.waiting():
+                async with record.fallback_lock:
+                    if _needs_own_registration(staged):
+                        await regions.call(
+                            regions.write_with_own_registration,
+                            staged,
+                            destination.session_id,
+                            destination.buffer_address,
+                            record.req_id,
+                        )
+                        return
+        if not regions.blocking:
+            engine.write(
+                destination.session_id, staged.ptr, destination.buffer_address, staged.nbytes
+            )
             return
-        staged: Staged = record.staged
-        tensor = staged.tensor
-        host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        # One worker-thread call, never abandoned: a cancellation takes effect once the
+        # engine stopped reading the memory.
+        with job.waiting():
+            await regions.call(
+                engine.write,
+                destination.session_id,
+                staged.ptr,
+                destination.buffer_address,
+                staged.nbytes,
+            )
+
+    async def push(self, job: Job, url: str) -> None:
+        """Push the embedding (or the request's error part) to a ZMQ PULL endpoint."""
+        record = job.record
+        header = _header(record)
+        payload = None
+        if record.phase is not Phase.FAILED:
+            staged: Staged = record.staged
+            tensor = staged.tensor
+            payload = payload_view(tensor if tensor.device.type == "cpu" else tensor.cpu())
         # Returns only once ZMQ no longer references the payload.
-        await self._zmq.send(url, header, payload_view(host))
+        with job.waiting():
+            await self._zmq.send(url, header, payload)
 
 
 def _needs_own_registration(staged: Staged) -> bool:

@@ -1,7 +1,7 @@
 """The request lifecycle: encode, send, push, wait, release, expire.
 
-Every piece of work that may touch a request's staged memory runs inside a :class:`_Job`
-of that request: a cancel scope on the calling task, counted in the request's record. The
+Every piece of work that may touch a request's staged memory runs inside a
+:class:`~._jobs.Job` of that request, counted in the request's record. The
 record is freed exactly once, by whichever job leaves last after release was asked for
 (or by the release itself when no job runs), so *drain before free* holds by construction:
 nothing can free memory while a job still runs. Transfers inside a job are worker-thread
@@ -16,7 +16,7 @@ destinations) run in the Encoder's own push task group. Deadlines are kept by on
 from __future__ import annotations
 
 import logging
-from types import TracebackType
+from collections.abc import Callable
 
 import anyio
 import anyio.lowlevel
@@ -37,6 +37,7 @@ from ._compute import ComputePath
 from ._deadlines import DeadlineKeeper
 from ._delivery import Delivery
 from ._events import EncoderEvents
+from ._jobs import CutShort, Job
 from ._regions import RegionOwner
 from ._table import Phase, RequestRecord, RequestTable
 from ._types import Destination, EncodeRequest, EncodeResult, MooncakeDestination, ZmqDestination
@@ -53,47 +54,6 @@ def _error_copy(error: EncdisaggError) -> EncdisaggError:
     copy = type(error)(error.message, req_id=error.req_id)
     copy.__cause__ = error.__cause__
     return copy
-
-
-class _Job:
-    """One piece of work on a request's memory. Counted in as soon as it is made (so a
-    push task started later is already counted), out when its ``with`` block ends."""
-
-    __slots__ = ("_flow", "_scope", "record")
-
-    def __init__(self, flow: RequestLifecycle, record: RequestRecord) -> None:
-        self._flow = flow
-        self.record = record
-        self._scope = anyio.CancelScope()
-        record.enter(self._scope.cancel)
-
-    @property
-    def cut_short(self) -> bool:
-        """Whether the request's deadline or the Encoder's shutdown cancelled it."""
-        return self._scope.cancelled_caught
-
-    def __enter__(self) -> _Job:
-        self._scope.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool:
-        try:
-            return bool(self._scope.__exit__(exc_type, exc, tb))
-        finally:
-            self.leave(failed=exc is not None)
-
-    def leave(self, *, failed: bool = False) -> None:
-        record = self.record
-        if failed:
-            # A failed or cancelled job releases its request.
-            record.release_requested = True
-        if record.leave(self._scope.cancel):
-            self._flow.free(record)
 
 
 class RequestLifecycle:
@@ -151,6 +111,12 @@ class RequestLifecycle:
         record.cancel_jobs()
         self.request_release(record)
 
+    def _metadata_publisher(self, record: RequestRecord) -> Callable[[Preprocessed], None]:
+        def publish(pre: Preprocessed) -> None:
+            self._publish_metadata(record, pre)
+
+        return publish
+
     def _publish_metadata(self, record: RequestRecord, pre: Preprocessed) -> None:
         model = self._compute.model
         dtype = model.dtype
@@ -204,11 +170,16 @@ class RequestLifecycle:
         self.wakeups.wake(request.req_id)
         started = anyio.current_time()
         status = "error"
-        job = _Job(self, record)
         try:
-            with job:
+            with Job(record, self.free) as job:
                 try:
-                    result = await self._encode_job(record)
+                    result = await self._encode_job(job)
+                except CutShort:
+                    record.phase = Phase.ABORTED
+                    raise RequestNotActiveError(
+                        f"req_id {request.req_id!r} ended during its encode",
+                        req_id=request.req_id,
+                    ) from None
                 except EncdisaggError as exc:
                     if exc.req_id is None:
                         exc.req_id = record.req_id
@@ -226,10 +197,6 @@ class RequestLifecycle:
                     if record.phase is Phase.ENCODING:
                         record.phase = Phase.ABORTED
                     raise
-            if job.cut_short:
-                raise RequestNotActiveError(
-                    f"req_id {request.req_id!r} ended during its encode", req_id=request.req_id
-                )
             status = "ok"
             return result
         finally:
@@ -237,11 +204,16 @@ class RequestLifecycle:
             if on_done is not None:
                 on_done(request.kind.value, status, anyio.current_time() - started)
 
-    async def _encode_job(self, record: RequestRecord) -> EncodeResult:
+    async def _encode_job(self, job: Job) -> EncodeResult:
+        record = job.record
         request = record.request
-        rows, _pre, from_cache = await self._compute.run(
-            request, lambda pre: self._publish_metadata(record, pre)
-        )
+        compute = self._compute
+        on_preprocessed = self._metadata_publisher(record)
+        if compute.inline:
+            rows, _, from_cache = await compute.run(request, on_preprocessed)
+        else:
+            with job.waiting():
+                rows, _, from_cache = await compute.run(request, on_preprocessed)
         metadata = record.metadata
         assert metadata is not None
         _check_rows(rows, metadata)
@@ -262,30 +234,31 @@ class RequestLifecycle:
     async def send(self, req_id: str, destination: Destination, receive_count: int | None) -> None:
         record = self.table.lookup(req_id)
         self._fix_receive_count(record, receive_count)
-        job = _Job(self, record)
         try:
-            with job:
-                await self._deliver(record, destination)
-        except Exception:
-            # A failed send released the request: the caller sees it gone.
-            await self.settle(record)
-            raise
-        if job.cut_short:
+            with Job(record, self.free) as job:
+                await self._deliver(job, destination)
+        except CutShort:
             if record.expired:
                 raise RequestTimeoutError(
                     f"req_id {req_id!r} was not delivered within send_timeout_s="
                     f"{self.config.send_timeout_s} and was released",
                     req_id=req_id,
-                )
-            raise RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
+                ) from None
+            raise RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id) from None
+        except Exception:
+            # A failed send released the request: the caller sees it gone.
+            await self.settle(record)
+            raise
         if record.release_requested:
             # This send completed the delivery (or a release is pending): the caller
             # sees the request gone, within the cleanup bound.
             await self.settle(record)
 
-    async def _deliver(self, record: RequestRecord, destination: Destination) -> None:
+    async def _deliver(self, job: Job, destination: Destination) -> None:
+        record = job.record
         if record.phase is Phase.ENCODING:
-            await self._wait_staged(record)
+            with job.waiting():
+                await self._wait_staged(record)
         if record.phase is not Phase.STAGED:
             if record.error is not None:
                 raise _error_copy(record.error)
@@ -297,16 +270,17 @@ class RequestLifecycle:
             raise RequestNotActiveError(
                 f"req_id {record.req_id!r} was released", req_id=record.req_id
             )
-        start = anyio.current_time()
+        start = anyio.current_time() if self._events.on_phase is not None else 0.0
         self.inflight += 1
         try:
             if isinstance(destination, MooncakeDestination):
-                await self._delivery.write(record, destination)
+                await self._delivery.write(job, destination)
             else:
-                await self._delivery.push(record, destination.url)
+                await self._delivery.push(job, destination.url)
         finally:
             self.inflight -= 1
-        self._events.phase("transfer", anyio.current_time() - start)
+        if self._events.on_phase is not None:
+            self._events.phase("transfer", anyio.current_time() - start)
         record.note_delivered(identity, self.config.default_receive_count)
 
     async def _wait_staged(self, record: RequestRecord) -> None:
@@ -322,21 +296,23 @@ class RequestLifecycle:
             ) from None
 
     def _start_push(self, record: RequestRecord, url: str) -> None:
-        job = _Job(self, record)
+        job = Job(record, self.free)
         try:
             self._pushes.start_soon(self._push, job, url, name=f"push {record.req_id}")
         except RuntimeError:
             job.leave()
             _log.warning("req_id %r: not pushing to %s, the encoder is closing", record.req_id, url)
 
-    async def _push(self, job: _Job, url: str) -> None:
+    async def _push(self, job: Job, url: str) -> None:
         record = job.record
         try:
             with job:
                 if record.phase is Phase.FAILED:
-                    await self._delivery.push(record, url)
+                    await self._delivery.push(job, url)
                 else:
-                    await self._deliver(record, ZmqDestination(url))
+                    await self._deliver(job, ZmqDestination(url))
+        except CutShort:
+            _log.warning("req_id %r: the push to %s was cut short", record.req_id, url)
         except Exception as exc:
             _log.error("req_id %r: pushing to %s failed", record.req_id, url, exc_info=exc)
 

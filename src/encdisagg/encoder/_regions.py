@@ -171,6 +171,11 @@ class RegionOwner:
         )
 
     @property
+    def blocking(self) -> bool:
+        """Whether the engine's calls may block (they then run in worker threads)."""
+        return self._blocking
+
+    @property
     def registered(self) -> int:
         """Registrations held right now (the arena counts as one)."""
         return self._registered.value

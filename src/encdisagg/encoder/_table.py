@@ -17,12 +17,16 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .._errors import EncdisaggError, NotFoundError, RequestNotActiveError
 from ._types import EncodeRequest, EncodeResult
 
-__all__ = ["Phase", "RequestRecord", "RequestTable"]
+__all__ = ["Cancellable", "Phase", "RequestRecord", "RequestTable"]
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
 
 
 class Phase(enum.Enum):
@@ -59,8 +63,8 @@ class RequestRecord:
     push_urls: list[str] = field(default_factory=list)
     #: Jobs in flight that may touch the staged memory (the encode job counts too).
     jobs: int = 0
-    #: Cancels the jobs in flight (each job registers its own cancel callback).
-    cancels: list[Callable[[], None]] = field(default_factory=list)
+    #: The jobs in flight, to cancel on expiry or shutdown.
+    running: list[Cancellable] = field(default_factory=list)
     #: Absolute time (the table's clock) after which the request releases itself.
     deadline: float = math.inf
     #: Set once the record was freed and left the table.
@@ -79,15 +83,15 @@ class RequestRecord:
         """Whether new sends and destination registrations are accepted."""
         return not self.release_requested
 
-    def enter(self, cancel: Callable[[], None]) -> None:
-        """Count a job in; ``cancel`` stops it if the request expires or shuts down."""
+    def enter(self, job: Cancellable) -> None:
+        """Count a job in; it is cancelled if the request expires or shuts down."""
         self.jobs += 1
-        self.cancels.append(cancel)
+        self.running.append(job)
 
-    def leave(self, cancel: Callable[[], None]) -> bool:
+    def leave(self, job: Cancellable) -> bool:
         """Count a job out; whether the record must be freed now."""
         self.jobs -= 1
-        self.cancels.remove(cancel)
+        self.running.remove(job)
         return self.must_free()
 
     def must_free(self) -> bool:
@@ -111,8 +115,8 @@ class RequestRecord:
             self.release_requested = True
 
     def cancel_jobs(self) -> None:
-        for cancel in list(self.cancels):
-            cancel()
+        for job in list(self.running):
+            job.cancel()
 
 
 @dataclass(frozen=True, slots=True)

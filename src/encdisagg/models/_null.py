@@ -106,8 +106,13 @@ class NullVisionModel:
     def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
         """One ``[tokens, hidden_size]`` tensor per element, filled per item. Does not block."""
         outputs = []
+        shape = (self._tokens_per_item, self._hidden_size)
         for element in batch:
             fills = element.features.get(_FILL, ())
+            if len(fills) == 1:
+                # One item: one fill, and one torch call instead of five.
+                outputs.append(torch.full(shape, fills[0], dtype=self._dtype))
+                continue
             values = torch.tensor(fills, dtype=torch.float32).repeat_interleave(
                 self._tokens_per_item
             )
