@@ -7,7 +7,6 @@ of what the table must answer; a few plain tests pin the rules down one by one.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -27,6 +26,16 @@ ABANDON_TTL_S = 4.0
 LIMIT = 3
 #: More ids than ``LIMIT``, so the bound on remembered ids is reached.
 IDS = tuple("abcdefg")
+
+
+class FakeJob:
+    """Stands for a job: the record only counts it and may cancel it."""
+
+    def __init__(self) -> None:
+        self.cancelled = 0
+
+    def cancel(self) -> None:
+        self.cancelled += 1
 
 
 class FakeClock:
@@ -76,7 +85,7 @@ class _Expected:
     phase: Phase = Phase.ENCODING
     release: bool = False
     error: InternalError | None = None
-    jobs: list[Callable[[], None]] = field(default_factory=list)
+    jobs: list[FakeJob] = field(default_factory=list)
     delivered: set[str] = field(default_factory=set)
 
     def must_free(self) -> bool:
@@ -160,19 +169,17 @@ class TableMachine(RuleBasedStateMachine):
     def enter_job(self, data: st.DataObject) -> None:
         expected = self.live[data.draw(st.sampled_from(self._live_ids()))]
 
-        def cancel() -> None:
-            pass
-
-        expected.record.enter(cancel)
-        expected.jobs.append(cancel)
+        job = FakeJob()
+        expected.record.enter(job)
+        expected.jobs.append(job)
 
     @precondition(lambda self: any(e.jobs for e in self.live.values()))
     @rule(data=st.data())
     def leave_job(self, data: st.DataObject) -> None:
         busy = sorted(k for k, e in self.live.items() if e.jobs)
         expected = self.live[data.draw(st.sampled_from(busy))]
-        cancel = expected.jobs.pop(data.draw(st.integers(0, len(expected.jobs) - 1)))
-        must_free = expected.record.leave(cancel)
+        job = expected.jobs.pop(data.draw(st.integers(0, len(expected.jobs) - 1)))
+        must_free = expected.record.leave(job)
         assert must_free == expected.must_free()
         if must_free:
             self._free(expected)
@@ -226,6 +233,22 @@ class TableMachine(RuleBasedStateMachine):
         if len(expected.delivered) >= default_count:
             expected.release = True
         assert expected.record.release_requested == expected.release
+
+    @precondition(lambda self: any(e.phase is Phase.STAGED for e in self.live.values()))
+    @rule(data=st.data())
+    def expire(self, data: st.DataObject) -> None:
+        # As the deadline keeper expires a staged request: its jobs are cancelled (they
+        # leave on their own later) and it is released.
+        staged = sorted(k for k, e in self.live.items() if e.phase is Phase.STAGED)
+        expected = self.live[data.draw(st.sampled_from(staged))]
+        before = [job.cancelled for job in expected.jobs]
+        expected.record.cancel_jobs()
+        assert [job.cancelled for job in expected.jobs] == [n + 1 for n in before]
+        expected.release = True
+        must_free = expected.record.request_release()
+        assert must_free == expected.must_free()
+        if must_free:
+            self._free(expected)
 
     @precondition(lambda self: any(e.must_free() for e in self.live.values()))
     @rule(data=st.data())
@@ -394,13 +417,7 @@ def test_remembered_ids_are_bounded_oldest_first() -> None:
 
 def test_the_last_job_out_frees_a_released_record() -> None:
     record = RequestRecord(request("a"))
-
-    def encode() -> None:
-        pass
-
-    def send() -> None:
-        pass
-
+    encode, send = FakeJob(), FakeJob()
     record.enter(encode)
     record.enter(send)
     assert not record.request_release()
@@ -408,7 +425,8 @@ def test_the_last_job_out_frees_a_released_record() -> None:
     # The encode job is the last one, but the encode never ended: not yet.
     record.phase = Phase.STAGED
     assert record.leave(encode)
-    assert record.cancels == []
+    assert record.running == []
+    assert encode.cancelled == send.cancelled == 0
 
 
 def test_a_record_being_encoded_is_never_freed() -> None:
@@ -423,11 +441,13 @@ def test_a_record_being_encoded_is_never_freed() -> None:
 
 def test_cancel_jobs_calls_every_job_s_cancel() -> None:
     record = RequestRecord(request("a"))
-    cancelled: list[str] = []
-    record.enter(lambda: cancelled.append("one"))
-    record.enter(lambda: cancelled.append("two"))
+    one, two = FakeJob(), FakeJob()
+    record.enter(one)
+    record.enter(two)
     record.cancel_jobs()
-    assert sorted(cancelled) == ["one", "two"]
+    assert (one.cancelled, two.cancelled) == (1, 1)
+    # Cancelling does not count a job out: it leaves when it ends.
+    assert record.jobs == 2
 
 
 def test_enough_distinct_destinations_release_the_request() -> None:
