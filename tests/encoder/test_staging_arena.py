@@ -4,13 +4,15 @@ request's own registration (deregistered once) for every one that does not."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import anyio
 import pytest
 import torch
 
 from encdisagg import Encoder, EncodeRequest, EncodeResult, Modality, MooncakeDestination
+from encdisagg.models import Preprocessed
 from encdisagg.transfer import LoopbackEngine, LoopbackFabric
 
 from .fakes import RecordingEngine, ScriptedModel
@@ -204,3 +206,79 @@ async def test_loopback_delivers_exact_bytes_from_the_arena(make_encoder: MakeEn
             prefill.deregister(landing.data_ptr())
         assert engine.registered_regions() == 0
         assert encoder.stats().registered_regions == 0
+
+
+# -- a CUDA model: the bytes must be final before the engine reads them ---------------------
+
+
+class QueuedCudaModel(ScriptedModel):
+    """A blocking model on CUDA whose forward returns while its kernels are still queued
+    (as a real tower's does): a long sleep kernel runs ahead of the rows' own."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden_size=HIDDEN, dtype=torch.float32)
+        self.device = torch.device("cuda", 0)
+
+    def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
+        # Kernels only, no host copy that could wait for them: about half a second of
+        # queued device work when this returns.
+        torch.cuda._sleep(1 << 30)  # type: ignore[no-untyped-call]
+        outputs = []
+        for pre in batch:
+            tokens = sum(pre.token_counts)
+            values = torch.arange(tokens * HIDDEN, dtype=torch.float32, device=self.device)
+            outputs.append(values.reshape(tokens, HIDDEN))
+        return outputs
+
+
+@dataclass(eq=False)
+class StreamCheckingEngine:
+    """A transfer engine that reads device memory the way a NIC does, outside any CUDA
+    stream: it notes whether the device still had queued work when a write began."""
+
+    session_id: str = "stream-checking:1"
+    regions: dict[int, int] = field(default_factory=dict)
+    writes_while_busy: int = 0
+    writes: int = 0
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.regions[ptr] = nbytes
+
+    def deregister(self, ptr: int) -> None:
+        del self.regions[ptr]
+
+    def write(self, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
+        self.writes += 1
+        if not torch.cuda.default_stream(torch.device("cuda", 0)).query():
+            self.writes_while_busy += 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "staging_arena_mb",
+    [
+        pytest.param(
+            1,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="RegionOwner.stage copies into the CUDA arena asynchronously and marks "
+                "the block transferable at once; only the own-registration path "
+                "synchronizes the device before the engine may read",
+            ),
+        ),
+        0,
+    ],
+    ids=["arena", "own-registration"],
+)
+async def test_no_write_reads_staged_cuda_memory_before_it_is_final(
+    make_encoder: MakeEncoder, staging_arena_mb: int
+) -> None:
+    engine = StreamCheckingEngine()
+    model = QueuedCudaModel()
+    async with make_encoder(model=model, engine=engine, staging_arena_mb=staging_arena_mb) as enc:
+        result = await enc.encode(EncodeRequest("gpu", [64]))
+        await enc.send("gpu", MooncakeDestination(engine.session_id, 1 << 20, "prefill:1"))
+        assert result.num_tokens == 64
+    torch.cuda.synchronize()
+    assert engine.writes == 1
+    assert engine.writes_while_busy == 0
