@@ -256,18 +256,7 @@ class StreamCheckingEngine:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
     "staging_arena_mb",
-    [
-        pytest.param(
-            1,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="RegionOwner.stage copies into the CUDA arena asynchronously and marks "
-                "the block transferable at once; only the own-registration path "
-                "synchronizes the device before the engine may read",
-            ),
-        ),
-        0,
-    ],
+    [1, 0],
     ids=["arena", "own-registration"],
 )
 async def test_no_write_reads_staged_cuda_memory_before_it_is_final(

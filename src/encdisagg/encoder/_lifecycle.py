@@ -219,6 +219,10 @@ class RequestLifecycle:
         _check_rows(rows, metadata)
         staged = self._regions.stage(record.req_id, rows.detach(), copy=from_cache)
         record.staged = staged
+        if staged.tensor.is_cuda:
+            # The forward and the copy into the arena may still be queued on the device:
+            # no transfer may read the memory before they finished.
+            await self._regions.device_finished(staged)
         if not staged.transferable:
             await self._regions.register_own(record.req_id, staged)
         record.phase = Phase.STAGED

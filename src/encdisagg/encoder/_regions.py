@@ -207,6 +207,11 @@ class RegionOwner:
             tensor = tensor.clone(memory_format=torch.contiguous_format)
         return Staged(tensor, nbytes)
 
+    async def device_finished(self, staged: Staged) -> None:
+        """Wait (in a worker thread, never abandoned) until the device finished the work
+        queued for ``staged``'s tensor. A checkpoint."""
+        await run_thread_to_completion(torch.cuda.synchronize, staged.tensor.device)
+
     async def register_own(self, req_id: str, staged: Staged) -> None:
         """Register an embedding that is not in the arena; on failure, leave it to each
         send to register for itself (logged, not raised)."""
@@ -226,8 +231,6 @@ class RegionOwner:
         # Records the registration itself, so a cancellation delivered after the call
         # returned cannot lose track of it.
         assert self.engine is not None
-        if staged.tensor.is_cuda:
-            torch.cuda.synchronize(staged.tensor.device)
         self.engine.register(staged.ptr, staged.nbytes)
         staged.registered = True
         self._registered.add(1)
