@@ -26,6 +26,9 @@ from encdisagg.transfer import (
 pytestmark = pytest.mark.anyio
 
 NOBODY = "tcp://127.0.0.1:1"
+# Most tests here pin down what happens to messages ZMQ holds and cannot deliver: their pools
+# queue on connections that never complete (immediate=False). The default pool waits for a
+# completed connection instead (see the test of that at the end of this file).
 # Rows of 16 float16 values in a payload that is sent zero-copy (tracked) by default: 128 KiB.
 TRACKED = 4096
 
@@ -100,7 +103,7 @@ def _free_tcp_url() -> str:
 async def test_round_trip_is_byte_exact_and_zero_copy() -> None:
     small = torch.randn(300, 64).half()
     large = torch.randn(4096, 256).half()  # 2 MiB: well past ZMQ's inline sizes
-    async with ZmqReceiver() as rx, ZmqPushPool(send_timeout_s=10) as pool:
+    async with ZmqReceiver() as rx, ZmqPushPool(immediate=False, send_timeout_s=10) as pool:
         assert rx.url.startswith("tcp://127.0.0.1:")
         with anyio.fail_after(10):
             for name, tensor in [("small", small), ("large", large)]:
@@ -115,7 +118,7 @@ async def test_round_trip_is_byte_exact_and_zero_copy() -> None:
 
 
 async def test_error_part_round_trip() -> None:
-    async with ZmqReceiver() as rx, ZmqPushPool(send_timeout_s=10) as pool:
+    async with ZmqReceiver() as rx, ZmqPushPool(immediate=False, send_timeout_s=10) as pool:
         with anyio.fail_after(10):
             await pool.send(rx.url, _error_header("bad"), None)
             part = await rx.receive()
@@ -131,7 +134,10 @@ async def test_concurrent_sends_keep_header_and_payload_paired() -> None:
         for i in range(count)
     }
     received: dict[str, torch.Tensor] = {}
-    async with ZmqReceiver() as rx, ZmqPushPool(send_timeout_s=10, sndhwm=4) as pool:
+    async with (
+        ZmqReceiver() as rx,
+        ZmqPushPool(immediate=False, send_timeout_s=10, sndhwm=4) as pool,
+    ):
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 for req_id, tensor in tensors.items():
@@ -150,7 +156,7 @@ async def test_send_to_nobody_times_out_and_releases_the_payload(
     tracking: _TrackingContext,
 ) -> None:
     payload = torch.ones(TRACKED, 16, dtype=torch.float16)
-    async with ZmqPushPool(send_timeout_s=0.2, context=tracking) as pool:
+    async with ZmqPushPool(immediate=False, send_timeout_s=0.2, context=tracking) as pool:
         started = anyio.current_time()
         with (
             anyio.fail_after(5),
@@ -168,7 +174,7 @@ async def test_cancelled_while_queued_returns_only_after_zmq_released_the_payloa
     tracking: _TrackingContext,
 ) -> None:
     payload = torch.ones(TRACKED, 16, dtype=torch.float16)
-    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(pool.send, NOBODY, _header("r", TRACKED), payload_view(payload))
@@ -187,7 +193,7 @@ async def test_cancelled_while_waiting_for_room_leaves_the_socket_alone(
     tracking: _TrackingContext,
 ) -> None:
     first, second = torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()
-    async with ZmqPushPool(send_timeout_s=30, context=tracking, sndhwm=1) as pool:
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking, sndhwm=1) as pool:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
                 first_scope, second_scope = anyio.CancelScope(), anyio.CancelScope()
@@ -218,7 +224,7 @@ async def test_a_send_whose_queue_was_dropped_by_another_failure_fails(
 ) -> None:
     tensors = [torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()]
     outcome: list[str] = []
-    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
 
@@ -244,7 +250,7 @@ async def test_a_send_whose_queue_was_dropped_by_another_failure_fails(
 async def test_the_next_send_reconnects_after_an_eviction() -> None:
     url = _free_tcp_url()
     tensor = torch.randn(TRACKED, 16).half()
-    async with ZmqPushPool(send_timeout_s=0.2) as pool:
+    async with ZmqPushPool(immediate=False, send_timeout_s=0.2) as pool:
         with anyio.fail_after(10):
             with pytest.raises(TransferError, match="timed out"):
                 await pool.send(url, _header("early", TRACKED), payload_view(tensor))
@@ -313,7 +319,7 @@ async def test_closing_the_pool_aborts_running_sends_after_release(
 ) -> None:
     payload = torch.ones(TRACKED, 16, dtype=torch.float16)
     outcome: list[str] = []
-    pool = ZmqPushPool(send_timeout_s=30, context=tracking)
+    pool = ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking)
 
     async def send() -> None:
         with pytest.raises(TransferError, match="push pool closed"):
@@ -335,7 +341,7 @@ async def test_closing_the_pool_aborts_running_sends_after_release(
 
 async def test_a_payload_that_does_not_match_its_header_is_refused() -> None:
     tensor = torch.ones(8, 16).half()
-    async with ZmqPushPool() as pool:
+    async with ZmqPushPool(immediate=False) as pool:
         with pytest.raises(BadRequestError, match="is 256 bytes; shape \\[9, 16\\]"):
             await pool.send(NOBODY, _header("r", 9), payload_view(tensor))
         with pytest.raises(BadRequestError, match="missing"):
@@ -351,7 +357,7 @@ async def test_a_send_waiting_for_room_moves_to_a_fresh_socket_after_an_eviction
     tracking: _TrackingContext,
 ) -> None:
     first, second = torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()
-    async with ZmqPushPool(send_timeout_s=30, context=tracking, sndhwm=1) as pool:
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking, sndhwm=1) as pool:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
                 first_scope, first_returned = anyio.CancelScope(), anyio.Event()
@@ -407,7 +413,7 @@ async def test_a_zero_copy_send_returns_once_zmq_released_the_payload(
     url = _free_tcp_url()
     tensor = torch.randn(TRACKED, 16).half()
     outcome: list[bool] = []
-    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
 
         async def send() -> None:
             await pool.send(url, _header("r", TRACKED), payload_view(tensor))
@@ -435,7 +441,7 @@ async def test_a_cancelled_zero_copy_send_waits_for_the_release_in_the_same_thre
 ) -> None:
     payload = torch.ones(TRACKED, 16, dtype=torch.float16)
     returned: list[bool] = []
-    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
 
         async def send() -> None:
             try:
@@ -460,7 +466,7 @@ async def test_a_small_payload_is_copied_and_its_buffer_free_at_once(
     url = _free_tcp_url()
     rows = 2047  # 65,504 bytes: just under the default copy_below_bytes (64 KiB)
     tensor = torch.full((rows, 16), 7.0, dtype=torch.float16)
-    async with ZmqPushPool(send_timeout_s=30, context=tracking) as pool:
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
         with anyio.fail_after(10):
             # Nobody listens yet, and still the send returns: ZMQ queued its own copy.
             await pool.send(url, _header("small", rows), payload_view(tensor))
@@ -477,7 +483,9 @@ async def test_a_small_payload_is_copied_and_its_buffer_free_at_once(
 
 async def test_copy_below_bytes_sets_the_zero_copy_threshold(tracking: _TrackingContext) -> None:
     below, at = torch.ones(31, 16).half(), torch.ones(32, 16).half()  # 992 and 1024 bytes
-    async with ZmqPushPool(send_timeout_s=30, context=tracking, copy_below_bytes=1024) as pool:
+    async with ZmqPushPool(
+        immediate=False, send_timeout_s=30, context=tracking, copy_below_bytes=1024
+    ) as pool:
         with anyio.fail_after(10):
             await pool.send(NOBODY, _header("below", 31), payload_view(below))
             assert tracking.trackers == []
@@ -490,4 +498,28 @@ async def test_copy_below_bytes_sets_the_zero_copy_threshold(tracking: _Tracking
             assert tracker.done
     for wrong in (-1, 1.5, True):
         with pytest.raises(ValueError, match="copy_below_bytes"):
-            ZmqPushPool(copy_below_bytes=wrong)  # type: ignore[arg-type]
+            ZmqPushPool(immediate=False, copy_below_bytes=wrong)  # type: ignore[arg-type]
+
+
+async def test_by_default_nothing_is_queued_for_an_endpoint_nobody_listens_at() -> None:
+    small = torch.ones(2, 4, dtype=torch.float16)
+    async with ZmqPushPool(send_timeout_s=0.2) as pool:
+        assert not pool.send_nowait(NOBODY, _header("r", 2, 4), payload_view(small))
+        with anyio.fail_after(5), pytest.raises(TransferError, match="timed out"):
+            await pool.send(NOBODY, _header("r", 2, 4), payload_view(small))
+
+
+async def test_send_nowait_queues_a_copied_message_to_a_connected_endpoint() -> None:
+    small = torch.arange(8, dtype=torch.float16).reshape(2, 4)
+    async with ZmqReceiver() as rx, ZmqPushPool() as pool:
+        with anyio.fail_after(5):
+            # The first send connects; later ones to the same endpoint need no wait.
+            await pool.send(rx.url, _header("first", 2, 4), payload_view(small))
+            assert pool.send_nowait(rx.url, _header("second", 2, 4), payload_view(small))
+            small.fill_(0)  # ZMQ copied it: the buffer is free
+            big = torch.ones(TRACKED, 16, dtype=torch.float16)
+            assert not pool.send_nowait(rx.url, _header("big", TRACKED), payload_view(big))
+            first, second = await rx.receive(), await rx.receive()
+    assert (first.header.req_id, second.header.req_id) == ("first", "second")
+    assert second.tensor is not None
+    assert torch.equal(second.tensor, torch.arange(8, dtype=torch.float16).reshape(2, 4))

@@ -27,7 +27,7 @@ class BuddyAllocator:
     """Offsets into a region of ``min_block * 2**max_order`` bytes.
 
     :meth:`alloc` returns the offset of a free block of at least ``nbytes`` (or None);
-    :meth:`free` gives it back, merging it with its buddy while the buddy is free too.
+    :meth:`free` gives it back; free buddies are merged before an allocation fails.
     """
 
     __slots__ = ("_free", "_max_order", "_min_block", "_used", "used_bytes")
@@ -57,32 +57,54 @@ class BuddyAllocator:
         order = _order_for(nbytes, self._min_block)
         if order > self._max_order:
             return None
-        found = order
-        while found <= self._max_order and not self._free[found]:
-            found += 1
-        if found > self._max_order:
-            return None
-        offset = self._free[found].pop()
-        while found > order:
-            found -= 1
-            # Keep the lower half, free the upper one.
-            self._free[found].add(offset + (self._min_block << found))
+        offset = self._take(order)
+        if offset is None:
+            # Freed blocks are merged lazily: merge them all now, then try once more.
+            self._coalesce()
+            offset = self._take(order)
+            if offset is None:
+                return None
         self._used[offset] = order
         self.used_bytes += self._min_block << order
         return offset
 
+    def _take(self, order: int) -> int | None:
+        free = self._free
+        if free[order]:
+            return free[order].pop()
+        found = order + 1
+        while found <= self._max_order and not free[found]:
+            found += 1
+        if found > self._max_order:
+            return None
+        offset = free[found].pop()
+        while found > order:
+            found -= 1
+            # Keep the lower half, free the upper one.
+            free[found].add(offset + (self._min_block << found))
+        return offset
+
     def free(self, offset: int) -> None:
-        """Give back the block at ``offset``. :raises KeyError: not allocated."""
+        """Give back the block at ``offset``. :raises KeyError: not allocated.
+
+        Not merged with its buddy yet: a block of a size that is asked for again and again
+        (the common case) is reused as it is, and merging waits until an allocation finds
+        no free block of its size."""
         order = self._used.pop(offset)
         self.used_bytes -= self._min_block << order
-        while order < self._max_order:
-            buddy = offset ^ (self._min_block << order)
-            if buddy not in self._free[order]:
-                break
-            self._free[order].discard(buddy)
-            offset = min(offset, buddy)
-            order += 1
         self._free[order].add(offset)
+
+    def _coalesce(self) -> None:
+        free = self._free
+        for order in range(self._max_order):
+            size = self._min_block << order
+            blocks = free[order]
+            for offset in sorted(blocks):
+                buddy = offset ^ size
+                if offset < buddy and buddy in blocks:
+                    blocks.discard(offset)
+                    blocks.discard(buddy)
+                    free[order + 1].add(offset)
 
     @property
     def allocated(self) -> int:

@@ -84,6 +84,9 @@ class Delivery:
             staged: Staged = record.staged
             tensor = staged.tensor
             payload = payload_view(tensor if tensor.device.type == "cpu" else tensor.cpu())
+        if self._zmq.send_nowait(url, header, payload):
+            # Copied into ZMQ's queue: nothing of ours is referenced any more.
+            return
         # Returns only once ZMQ no longer references the payload.
         with job.waiting():
             await self._zmq.send(url, header, payload)

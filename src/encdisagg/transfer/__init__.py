@@ -22,11 +22,8 @@ from ._wire import (
     tensor_from_frame as tensor_from_frame,
     torch_dtype as torch_dtype,
 )
-from ._zmq import (
-    ReceivedPart as ReceivedPart,
-    ZmqPushPool as ZmqPushPool,
-    ZmqReceiver as ZmqReceiver,
-)
+from ._zmq import ZmqPushPool as ZmqPushPool
+from ._zmq_pull import ReceivedPart as ReceivedPart, ZmqReceiver as ZmqReceiver
 
 __all__ = (
     "TransferEngine",
