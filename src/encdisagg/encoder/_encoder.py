@@ -44,6 +44,9 @@ from ._types import (
 __all__ = ["Encoder", "EncoderEvents"]
 
 _MIB = 1024 * 1024
+#: Messages queued per receiver before pushes wait for room. Copied (small) messages cost
+#: their size each; zero-copy ones are waited for anyway. ZMQ's own default is 1000.
+_ZMQ_QUEUE = 256
 
 
 class Encoder(anyio.AsyncContextManagerMixin):
@@ -113,7 +116,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
                     config, global_settings, model, self._events, stack
                 )
             zmq = await stack.enter_async_context(
-                ZmqPushPool(send_timeout_s=config.zmq_send_timeout_s)
+                ZmqPushPool(send_timeout_s=config.zmq_send_timeout_s, sndhwm=_ZMQ_QUEUE)
             )
             regions = self._regions = RegionOwner.for_model(
                 self._engine, self._budget, model, config

@@ -50,6 +50,17 @@ async def wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
         await anyio.wait_readable(fd)
 
 
+async def _wait_room(connection: _Connection) -> None:
+    """Return once the socket takes a message; checkpoints only if it waits."""
+    sock, fd = connection.socket, connection.fd
+    while not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+        connection.parked = True
+        try:
+            await anyio.wait_readable(fd)
+        finally:
+            connection.parked = False
+
+
 @dataclasses.dataclass(eq=False)
 class _Connection:
     """One PUSH socket to one endpoint."""
@@ -57,8 +68,12 @@ class _Connection:
     url: str
     socket: zmq.Socket[Any]
     fd: int
-    # Held while a message is queued, so two messages' frames never interleave.
+    # Held by the one send that may wait for room (sends queue for it, one after another).
     lock: anyio.Lock = dataclasses.field(default_factory=anyio.Lock)
+    # Set while that send is parked on the socket's descriptor. ZMQ's descriptor is edge
+    # triggered: reading ZMQ_EVENTS (as send_nowait does) would swallow the wake-up the
+    # parked send waits for, so send_nowait leaves the socket alone meanwhile.
+    parked: bool = False
     # Set once the socket was closed on a failure; any message that was still queued on it
     # then was dropped, so a send that finds it set after its release did not deliver.
     broken: bool = False
@@ -195,8 +210,10 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
 
         Not a checkpoint. Only a message ZMQ copies (an error part, or a payload under
         ``copy_below_bytes``) to an endpoint already connected, with room in its queue and no
-        other send holding it, is queued here; the caller's memory is free on return. In
-        every other case nothing is queued and False is returned: :meth:`send` it then.
+        send parked waiting for room, is queued here; the caller's memory is free on
+        return. It may overtake sends waiting their turn (frames never interleave: both of
+        a message's frames are queued in one step). In every other case nothing is queued
+        and False is returned: :meth:`send` it then.
 
         :raises BadRequestError: as :meth:`send`.
         :raises TransferError: ZMQ failed after the header frame (the socket is evicted).
@@ -208,7 +225,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             self._closed
             or connection is None
             or connection.broken
-            or connection.lock.locked()
+            or connection.parked
             or not cast(int, connection.socket.getsockopt(zmq.EVENTS)) & zmq.POLLOUT
         ):
             return False
@@ -259,7 +276,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             async with connection.lock:
                 try:
                     while tracker is None and not connection.broken:
-                        await wait_events(connection.socket, connection.fd, zmq.POLLOUT)
+                        await _wait_room(connection)
                         tracker = self._queue(connection, head, payload, what)
                 except anyio.ClosedResourceError:
                     # Another send's failure evicted the socket while this one waited for
