@@ -28,7 +28,13 @@ Raw and Encoder runs are measured side by side in **pairs**, one pair per repeat
 the order inside a pair alternates (raw first, then Encoder first) so neither side always
 finds the caches and the receiver warmed by the other. A pair's ratio is Encoder / raw
 throughput; the **transfer efficiency** is the median of the pairs' ratios. The goal is at
-least 0.8.
+least 0.9.
+
+Each Encoder delivery that blocks (a Mooncake write, the wait for ZMQ to release a zero-copy
+payload) is one worker-thread call, so the event loop never stalls on the network. On a
+small machine that hop costs more than a 1 MiB transfer itself (about 0.3-0.45 ms for a
+Mooncake write on the 2-core development machine, against 0.4 ms for the write), which the
+sequential rows at 1 MiB show; pipelined sends overlap the hops.
 
 A third loop beside each pair's raw one sends N *distinct* buffers (filled, and for Mooncake
 registered, before its clock starts): the Encoder sends a different embedding each time, and
@@ -63,7 +69,7 @@ from _common import (
 
 HIDDEN = 4096
 BYTES_PER_TOKEN = HIDDEN * 2  # float16
-GOAL = 0.8
+GOAL = 0.9
 
 
 # -- receivers (child processes) -----------------------------------------------------------

@@ -113,9 +113,9 @@ def test_stage_copies_into_a_view_of_the_same_shape_and_dtype() -> None:
     arena = StagingArena(8 * 4096, torch.device("cpu"))
     source = torch.arange(12 * 5, dtype=torch.float16).reshape(12, 5)
     expected = source.clone()
-    placed = arena.stage(source)
-    assert placed is not None
-    offset, view = placed
+    offset = arena.stage(source)
+    assert offset is not None
+    view = arena.view(offset, source.numel() * source.element_size(), source.dtype, (12, 5))
     assert view.shape == source.shape
     assert view.dtype == source.dtype
     assert view.data_ptr() == arena.ptr + offset
@@ -131,9 +131,9 @@ def test_stage_copies_into_a_view_of_the_same_shape_and_dtype() -> None:
 def test_stage_of_a_non_contiguous_tensor_copies_its_values() -> None:
     arena = StagingArena(4096, torch.device("cpu"))
     source = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4).t()
-    placed = arena.stage(source)
-    assert placed is not None
-    _, view = placed
+    offset = arena.stage(source)
+    assert offset is not None
+    view = arena.view(offset, source.numel() * source.element_size(), source.dtype, (4, 6))
     assert view.is_contiguous()
     assert torch.equal(view, source)
 
@@ -145,10 +145,10 @@ def test_stage_returns_none_when_the_arena_is_full() -> None:
     second = arena.stage(block)
     assert first is not None
     assert second is not None
-    assert first[0] != second[0]
+    assert first != second
     assert arena.stage(block) is None
     assert arena.stage(torch.ones(3 * 4096, dtype=torch.uint8)) is None
-    arena.free(first[0])
+    arena.free(first)
     assert arena.stage(block) is not None
     assert arena.allocated == 2
 

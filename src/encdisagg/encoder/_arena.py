@@ -10,6 +10,7 @@ Pure bookkeeping: nothing here touches the engine or awaits.
 
 from __future__ import annotations
 
+import ctypes
 from typing import final
 
 import torch
@@ -116,19 +117,16 @@ class BuddyAllocator:
 class StagingArena:
     """A byte buffer on ``device`` and its allocator.
 
-    :meth:`stage` copies a tensor into a free block and returns the block's offset and a
-    tensor view of it with the source's shape and dtype, or None when no block is free.
+    :meth:`stage` copies a tensor into a free block and returns the block's offset, or None
+    when no block is free; :meth:`view` shows a block as a tensor.
     """
 
-    __slots__ = ("_allocator", "buffer")
+    __slots__ = ("_allocator", "buffer", "ptr")
 
     def __init__(self, capacity: int, device: torch.device, *, min_block: int = 4096) -> None:
         self._allocator = BuddyAllocator(capacity, min_block=min_block)
         self.buffer = torch.empty(self._allocator.capacity, dtype=torch.uint8, device=device)
-
-    @property
-    def ptr(self) -> int:
-        return int(self.buffer.data_ptr())
+        self.ptr = int(self.buffer.data_ptr())
 
     @property
     def capacity(self) -> int:
@@ -138,17 +136,27 @@ class StagingArena:
     def allocated(self) -> int:
         return self._allocator.allocated
 
-    def stage(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    def stage(self, tensor: torch.Tensor) -> int | None:
+        """Copy ``tensor`` into a free block: the block's offset, or None when no block is
+        free or the tensor lives on another device."""
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.device != self.buffer.device:
             return None
         offset = self._allocator.alloc(nbytes)
         if offset is None:
             return None
-        block = self.buffer[offset : offset + nbytes]
-        view = block.view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
-        return offset, view
+        if tensor.is_cuda or not tensor.is_contiguous():
+            self.view(offset, nbytes, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+        else:
+            # Host to host: one memmove instead of three views and a torch copy.
+            ctypes.memmove(self.ptr + offset, tensor.data_ptr(), nbytes)
+        return offset
+
+    def view(
+        self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The block at ``offset`` as a tensor of ``dtype`` and ``shape``."""
+        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
 
     def free(self, offset: int) -> None:
         self._allocator.free(offset)

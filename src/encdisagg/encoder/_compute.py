@@ -103,7 +103,7 @@ class ComputePath:
     ) -> Preprocessed:
         """Preprocess the request's items (only those at ``indices`` if given; errors then
         still name items by their place in the request)."""
-        start = anyio.current_time()
+        start = 0.0 if self._inline else anyio.current_time()
         items = request.items if indices is None else [request.items[i] for i in indices]
         try:
             if self._inline:

@@ -86,6 +86,13 @@ class RequestLifecycle:
         self._pushes = pushes
         self._closing: anyio.Event | None = None
         self.inflight = 0
+        model = compute.model
+        #: The embedding layout every result has: hidden size, dtype name, item size.
+        self._layout = (
+            model.hidden_size,
+            str(model.dtype).removeprefix("torch."),
+            model.dtype.itemsize,
+        )
 
     # -- synchronous decisions --------------------------------------------------------------
 
@@ -118,16 +125,14 @@ class RequestLifecycle:
         return publish
 
     def _publish_metadata(self, record: RequestRecord, pre: Preprocessed) -> None:
-        model = self._compute.model
-        dtype = model.dtype
         num_tokens = sum(pre.token_counts)
-        hidden = model.hidden_size
+        hidden, dtype, itemsize = self._layout
         record.metadata = EncodeResult(
             req_id=record.req_id,
             num_tokens=num_tokens,
             hidden_size=hidden,
-            dtype=str(dtype).removeprefix("torch."),
-            nbytes=num_tokens * hidden * dtype.itemsize,
+            dtype=dtype,
+            nbytes=num_tokens * hidden * itemsize,
             token_counts=tuple(int(n) for n in pre.token_counts),
             grid=tuple(tuple(int(v) for v in g) for g in pre.grid),
         )
@@ -168,7 +173,8 @@ class RequestLifecycle:
         self._budget.check_admission(request.req_id)
         record = self.table.admit(request)
         self.wakeups.wake(request.req_id)
-        started = anyio.current_time()
+        on_done = self._events.on_request_done
+        started = 0.0 if on_done is None else anyio.current_time()
         status = "error"
         try:
             with Job(record, self.free) as job:
@@ -200,7 +206,6 @@ class RequestLifecycle:
             status = "ok"
             return result
         finally:
-            on_done = self._events.on_request_done
             if on_done is not None:
                 on_done(request.kind.value, status, anyio.current_time() - started)
 
@@ -216,10 +221,13 @@ class RequestLifecycle:
                 rows, _, from_cache = await compute.run(request, on_preprocessed)
         metadata = record.metadata
         assert metadata is not None
-        _check_rows(rows, metadata)
+        if tuple(rows.shape) != (metadata.num_tokens, metadata.hidden_size) or (
+            rows.dtype != compute.model.dtype
+        ):
+            _fail_layout(rows, metadata)
         staged = self._regions.stage(record.req_id, rows.detach(), copy=from_cache)
         record.staged = staged
-        if staged.tensor.is_cuda:
+        if staged.is_cuda:
             # The forward and the copy into the arena may still be queued on the device:
             # no transfer may read the memory before they finished.
             await self._regions.device_finished(staged)
@@ -453,11 +461,10 @@ class RequestLifecycle:
             )
 
 
-def _check_rows(rows: torch.Tensor, metadata: EncodeResult) -> None:
+def _fail_layout(rows: torch.Tensor, metadata: EncodeResult) -> None:
     expected = (metadata.num_tokens, metadata.hidden_size)
-    if tuple(rows.shape) != expected or str(rows.dtype).removeprefix("torch.") != metadata.dtype:
-        raise InternalError(
-            f"req_id {metadata.req_id!r}: the model produced {list(rows.shape)} "
-            f"{rows.dtype}, but its preprocessing promised {list(expected)} {metadata.dtype}",
-            req_id=metadata.req_id,
-        )
+    raise InternalError(
+        f"req_id {metadata.req_id!r}: the model produced {list(rows.shape)} "
+        f"{rows.dtype}, but its preprocessing promised {list(expected)} {metadata.dtype}",
+        req_id=metadata.req_id,
+    )

@@ -58,18 +58,38 @@ def calls_block(part: object) -> bool:
 
 @dataclass(eq=False, slots=True)
 class Staged:
-    """A staged embedding: the tensor transfers read, and how its memory is registered."""
+    """A staged embedding: where its bytes are, and how its memory is registered.
 
-    tensor: torch.Tensor
+    It lives either in a block of the staging arena (covered by the arena's registration)
+    or in a tensor of its own (``own``).
+    """
+
     nbytes: int
-    #: Offset of its block when it lives in the staging arena (covered by its registration).
+    ptr: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    own: torch.Tensor | None = None
+    arena: StagingArena | None = None
+    #: Offset of its block when it lives in the staging arena.
     arena_offset: int | None = None
     #: The record holds a registration of its own for this memory.
     registered: bool = False
 
     @property
-    def ptr(self) -> int:
-        return int(self.tensor.data_ptr())
+    def tensor(self) -> torch.Tensor:
+        """The embedding as a tensor (a view of the arena block when it lives there)."""
+        if self.own is not None:
+            return self.own
+        assert self.arena is not None
+        assert self.arena_offset is not None
+        return self.arena.view(self.arena_offset, self.nbytes, self.dtype, self.shape)
+
+    @property
+    def is_cuda(self) -> bool:
+        if self.own is not None:
+            return self.own.is_cuda
+        assert self.arena is not None
+        return self.arena.buffer.is_cuda
 
     @property
     def transferable(self) -> bool:
@@ -199,13 +219,19 @@ class RegionOwner:
         self._budget.reserve(req_id, nbytes)
         arena = self.arena
         if arena is not None and self._arena_registered:
-            placed = arena.stage(tensor)
-            if placed is not None:
-                offset, view = placed
-                return Staged(view, nbytes, arena_offset=offset)
+            offset = arena.stage(tensor)
+            if offset is not None:
+                return Staged(
+                    nbytes,
+                    arena.ptr + offset,
+                    tensor.dtype,
+                    tuple(tensor.shape),
+                    arena=arena,
+                    arena_offset=offset,
+                )
         if copy or not tensor.is_contiguous():
             tensor = tensor.clone(memory_format=torch.contiguous_format)
-        return Staged(tensor, nbytes)
+        return Staged(nbytes, int(tensor.data_ptr()), tensor.dtype, tuple(tensor.shape), own=tensor)
 
     async def device_finished(self, staged: Staged) -> None:
         """Wait (in a worker thread, never abandoned) until the device finished the work
@@ -247,7 +273,7 @@ class RegionOwner:
         if not staged.registered:
             self._budget.give_back(staged.nbytes)
             return None
-        handover = Handover(req_id, staged.ptr, staged.nbytes, staged.tensor)
+        handover = Handover(req_id, staged.ptr, staged.nbytes, staged.own)
         staged.registered = False
         self.unresolved.add(handover)
         self._send.send_nowait(handover)
