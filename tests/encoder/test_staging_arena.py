@@ -271,3 +271,37 @@ async def test_no_write_reads_staged_cuda_memory_before_it_is_final(
     torch.cuda.synchronize()
     assert engine.writes == 1
     assert engine.writes_while_busy == 0
+
+
+async def test_a_pinned_arena_block_is_never_reused() -> None:
+    # ZMQ never let go of a zero-copy payload read from this block: it must not be handed
+    # to another request, and its bytes stay counted.
+    from encdisagg.encoder._budget import StagedBudget
+    from encdisagg.encoder._regions import RegionOwner
+
+    budget = StagedBudget(None)
+    engine = RecordingEngine()
+    owner = RegionOwner(
+        engine,
+        budget,
+        arena_bytes=4 * 4096,
+        device=torch.device("cpu"),
+        cleanup_timeout_s=1.0,
+        clock=anyio.current_time,
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        pinned = owner.stage("a", torch.ones(4096, dtype=torch.uint8), copy=False)
+        kept = owner.stage("b", torch.ones(4096, dtype=torch.uint8), copy=False)
+        pinned.pin()
+        assert owner.free("a", pinned) is None
+        assert owner.free("b", kept) is None
+        assert owner.arena is not None
+        assert owner.arena.allocated == 1
+        assert budget.staged_bytes == 4096
+        again = owner.stage("c", torch.ones(4096, dtype=torch.uint8), copy=False)
+        assert again.arena_offset != pinned.arena_offset
+        owner.free("c", again)
+        owner.stop_accepting()
+    # A block still out: the arena stays registered rather than be freed under a reader.
+    assert len(engine.regions) == 1

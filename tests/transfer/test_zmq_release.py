@@ -50,6 +50,7 @@ def _wait(
     *,
     drop_bound_s: float = 10.0,
     thread_bound_s: float = 30.0,
+    on_still_held: Callable[[], None] | None = None,
 ) -> Any:
     return wait_released(
         tracker,
@@ -58,6 +59,7 @@ def _wait(
         drop_bound_s=drop_bound_s,
         thread_bound_s=thread_bound_s,
         limiter=anyio.CapacityLimiter(1),
+        on_still_held=on_still_held,
     )
 
 
@@ -140,18 +142,28 @@ async def test_cancelling_twice_changes_nothing(released: threading.Event) -> No
 async def test_a_frame_never_released_after_the_drop_is_logged_and_given_up(
     released: threading.Event, caplog: pytest.LogCaptureFixture
 ) -> None:
+    held: list[str] = []
     with caplog.at_level(logging.ERROR, logger="encdisagg.transfer"):
         with anyio.move_on_after(1) as scope:
-            await _wait(zmq.MessageTracker(released), drop_bound_s=5.0)
+            await _wait(
+                zmq.MessageTracker(released),
+                drop_bound_s=5.0,
+                on_still_held=lambda: held.append("held"),
+            )
         assert scope.cancelled_caught
     [record] = caplog.records
     assert "still references the payload 5.0 s after" in record.getMessage()
+    # The caller hears of it, to keep that memory out of reuse.
+    assert held == ["held"]
 
 
 async def test_a_thread_bound_that_runs_out_drops_and_fails(released: threading.Event) -> None:
     dropped: list[str] = []
     with pytest.raises(TransferError, match=r"did not release the payload within 0\.01 s"):
         await _wait(
-            zmq.MessageTracker(released), lambda: dropped.append("dropped"), thread_bound_s=0.01
+            zmq.MessageTracker(released),
+            lambda: dropped.append("dropped"),
+            thread_bound_s=0.01,
+            on_still_held=lambda: dropped.append("held"),
         )
-    assert dropped == ["dropped"]
+    assert dropped == ["dropped", "held"]

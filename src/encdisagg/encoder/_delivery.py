@@ -80,16 +80,19 @@ class Delivery:
         record = job.record
         header = _header(record)
         payload = None
+        pin = None
         if record.phase is not Phase.FAILED:
             staged: Staged = record.staged
             tensor = staged.tensor
             payload = payload_view(tensor if tensor.device.type == "cpu" else tensor.cpu())
+            pin = staged.pin
         if self._zmq.send_nowait(url, header, payload):
             # Copied into ZMQ's queue: nothing of ours is referenced any more.
             return
-        # Returns only once ZMQ no longer references the payload.
+        # Returns only once ZMQ no longer references the payload (if it never lets go,
+        # the staged memory is pinned: never reused).
         with job.waiting():
-            await self._zmq.send(url, header, payload)
+            await self._zmq.send(url, header, payload, on_still_held=pin)
 
 
 def _needs_own_registration(staged: Staged) -> bool:

@@ -74,6 +74,12 @@ class Staged:
     arena_offset: int | None = None
     #: The record holds a registration of its own for this memory.
     registered: bool = False
+    #: Something outside the Encoder (ZMQ, after a give-up) may still read the memory: an
+    #: arena block is then never reused.
+    pinned: bool = False
+
+    def pin(self) -> None:
+        self.pinned = True
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -267,6 +273,14 @@ class RegionOwner:
         which deregisters it: the handover is returned for callers that wait for it."""
         if staged.arena_offset is not None:
             assert self.arena is not None
+            if staged.pinned:
+                _log.error(
+                    "req_id %r: ZMQ never let go of its payload; its %d-byte arena block "
+                    "is kept out of use (and counted as staged) for good",
+                    req_id,
+                    staged.nbytes,
+                )
+                return None
             self.arena.free(staged.arena_offset)
             self._budget.give_back(staged.nbytes)
             return None
@@ -331,6 +345,15 @@ class RegionOwner:
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(self._cleanup_timeout_s):
                     await self._final_sweep()
+                # The arena is a registration of its own: it goes even when a request's
+                # region is still stuck, within its own bound.
+                with anyio.move_on_after(self._cleanup_timeout_s) as bound:
+                    await self._close_arena()
+                if bound.cancelled_caught:
+                    _log.error(
+                        "deregistering the staging arena took over %s s; it stays registered",
+                        self._cleanup_timeout_s,
+                    )
                 self._send.close()
                 self._receive.close()
                 self._report_unresolved()
@@ -450,7 +473,6 @@ class RegionOwner:
                 break
             await anyio.sleep(delay)
             delay = min(delay * 2, 1.0)
-        await self._close_arena()
 
     async def _close_arena(self) -> None:
         arena, engine = self.arena, self.engine

@@ -37,6 +37,7 @@ async def wait_released(
     drop_bound_s: float,
     thread_bound_s: float,
     limiter: anyio.CapacityLimiter,
+    on_still_held: Callable[[], None] | None = None,
 ) -> None:
     """Return once ZMQ no longer references the frame ``tracker`` tracks.
 
@@ -46,7 +47,8 @@ async def wait_released(
     If the caller is cancelled meanwhile, ``drop()`` (which must make ZMQ let go, e.g. by
     closing the socket with linger 0) is called, the wait goes on in the same thread,
     shielded, for at most ``drop_bound_s``, and only then the cancellation propagates.
-    Should the frame still be held by then, that is logged and the thread abandoned.
+    Should the frame still be held by then, that is logged, ``on_still_held()`` is called
+    (the caller must then keep the memory out of reuse for good) and the thread abandoned.
 
     :raises TransferError: if ``thread_bound_s`` ran out before the release (after calling
         ``drop()``). Pick it longer than any deadline of the caller: it only keeps a thread
@@ -85,7 +87,11 @@ async def wait_released(
                     what,
                     drop_bound_s,
                 )
+                if on_still_held is not None:
+                    on_still_held()
             raise
     if not tracker.done:
         drop()
+        if on_still_held is not None:
+            on_still_held()
         raise TransferError(f"{what}: ZMQ did not release the payload within {thread_bound_s} s")
