@@ -27,7 +27,7 @@ from ..nurseries import run_thread_to_completion
 from ._batcher import Batcher, ForwardJob, check_token_count
 from ._cache import PrefixCache
 from ._events import EncoderEvents
-from ._regions import calls_block
+from ._staged import calls_block
 from ._types import EncodeRequest
 
 __all__ = ["ComputePath"]

@@ -13,7 +13,8 @@ import anyio
 from .._errors import TransferError
 from ..transfer import EmbeddingHeader, ZmqPushPool, payload_view
 from ._jobs import Job
-from ._regions import RegionOwner, Staged
+from ._regions import RegionOwner
+from ._staged import Staged
 from ._table import Phase, RequestRecord
 from ._types import MooncakeDestination
 
@@ -101,31 +102,27 @@ def _needs_own_registration(staged: Staged) -> bool:
 
 
 def _header(record: RequestRecord) -> EmbeddingHeader:
+    """The push header: the embedding's layout, or an error part (no payload)."""
     request = record.request
-    if record.phase is Phase.FAILED:
-        error = record.error
-        assert error is not None
-        return EmbeddingHeader(
-            req_id=record.req_id,
-            num_parts=request.num_parts,
-            part_idx=request.part_idx,
-            modality=request.kind.value,
-            shape=(0, 0),
-            dtype="float16",
-            token_counts=(),
-            grid=(),
-            error=error.message,
-            status=error.status,
-        )
-    result = record.metadata
-    assert result is not None
+    error = record.error if record.phase is Phase.FAILED else None
+    shape: tuple[int, int] = (0, 0)
+    dtype = "float16"
+    token_counts: tuple[int, ...] = ()
+    grid: tuple[tuple[int, ...], ...] = ()
+    if error is None:
+        result = record.metadata
+        assert result is not None
+        shape = (result.num_tokens, result.hidden_size)
+        dtype, token_counts, grid = result.dtype, result.token_counts, result.grid
     return EmbeddingHeader(
         req_id=record.req_id,
         num_parts=request.num_parts,
         part_idx=request.part_idx,
         modality=request.kind.value,
-        shape=(result.num_tokens, result.hidden_size),
-        dtype=result.dtype,
-        token_counts=result.token_counts,
-        grid=result.grid,
+        shape=shape,
+        dtype=dtype,
+        token_counts=token_counts,
+        grid=grid,
+        error=None if error is None else error.message,
+        status=None if error is None else error.status,
     )

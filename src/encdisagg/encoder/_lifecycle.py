@@ -56,6 +56,10 @@ def _error_copy(error: EncdisaggError) -> EncdisaggError:
     return copy
 
 
+def _released(req_id: str) -> RequestNotActiveError:
+    return RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
+
+
 class RequestLifecycle:
     """The Encoder's requests: their table, jobs, deadlines and delivery."""
 
@@ -364,9 +368,7 @@ class RequestLifecycle:
                     if record is not None:
                         return record
                     if self.table.ended(req_id):
-                        raise RequestNotActiveError(
-                            f"req_id {req_id!r} was released", req_id=req_id
-                        )
+                        raise _released(req_id)
                     await self.wakeups.park(req_id)
         except TimeoutError:
             raise RequestTimeoutError(
@@ -387,16 +389,10 @@ class RequestLifecycle:
                         if record.metadata is not None:
                             return record.metadata
                         if record.phase is Phase.ABORTED:
-                            raise RequestNotActiveError(
-                                f"req_id {req_id!r} was released", req_id=req_id
-                            )
+                            raise _released(req_id)
                     elif self.table.ended(req_id):
                         error = self.table.ended_error(req_id)
-                        if error is not None:
-                            raise _error_copy(error)
-                        raise RequestNotActiveError(
-                            f"req_id {req_id!r} was released", req_id=req_id
-                        )
+                        raise _released(req_id) if error is None else _error_copy(error)
                     await self.wakeups.park(req_id)
         except TimeoutError:
             raise RequestTimeoutError(

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TypeVar, TypeVarTuple, Unpack
 
 import anyio
@@ -39,8 +37,9 @@ from ..nurseries import run_thread_to_completion
 from ..transfer import TransferEngine
 from ._arena import StagingArena
 from ._budget import StagedBudget
+from ._staged import CallRunning, Handover, Staged, ThreadSafeCounter, calls_block
 
-__all__ = ["Handover", "RegionOwner", "Staged", "calls_block"]
+__all__ = ["RegionOwner"]
 
 _log = logging.getLogger("encdisagg.encoder")
 
@@ -49,95 +48,6 @@ Ts = TypeVarTuple("Ts")
 
 _FIRST_RETRY_S = 1.0
 _MAX_RETRY_S = 60.0
-
-
-def calls_block(part: object) -> bool:
-    """Whether a model's or engine's calls may block (the default when it does not say)."""
-    return bool(getattr(part, "blocking", True))
-
-
-@dataclass(eq=False, slots=True)
-class Staged:
-    """A staged embedding: where its bytes are, and how its memory is registered.
-
-    It lives either in a block of the staging arena (covered by the arena's registration)
-    or in a tensor of its own (``own``).
-    """
-
-    nbytes: int
-    ptr: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    own: torch.Tensor | None = None
-    arena: StagingArena | None = None
-    #: Offset of its block when it lives in the staging arena.
-    arena_offset: int | None = None
-    #: The record holds a registration of its own for this memory.
-    registered: bool = False
-    #: Something outside the Encoder (ZMQ, after a give-up) may still read the memory: an
-    #: arena block is then never reused.
-    pinned: bool = False
-
-    def pin(self) -> None:
-        self.pinned = True
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The embedding as a tensor (a view of the arena block when it lives there)."""
-        if self.own is not None:
-            return self.own
-        assert self.arena is not None
-        assert self.arena_offset is not None
-        return self.arena.view(self.arena_offset, self.nbytes, self.dtype, self.shape)
-
-    @property
-    def is_cuda(self) -> bool:
-        if self.own is not None:
-            return self.own.is_cuda
-        assert self.arena is not None
-        return self.arena.buffer.is_cuda
-
-    @property
-    def transferable(self) -> bool:
-        """Whether the engine may write from it without registering it first."""
-        return self.arena_offset is not None or self.registered
-
-
-@dataclass(eq=False, slots=True)
-class Handover:
-    """A registration handed to the owner task for deregistration. ``tensor`` keeps the
-    memory alive until the engine let go of it."""
-
-    req_id: str
-    ptr: int
-    nbytes: int
-    tensor: torch.Tensor | None
-    attempts: int = 0
-    next_try: float = 0.0
-    deregistered: bool = False
-    #: Set once the first deregistration attempt ended, however it ended.
-    attempted: anyio.Event = field(default_factory=anyio.Event)
-    #: Held by the one deregistration call running on this region, if any (a call cut
-    #: short by the sweep's bound may still run in its thread).
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class _CallRunning(Exception):
-    """A deregistration of this region is still running in another thread."""
-
-
-class _Counter:
-    """Registrations held, counted by whichever thread made or dropped one."""
-
-    __slots__ = ("_lock", "value")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.value = 0
-
-    def add(self, delta: int) -> None:
-        with self._lock:
-            self.value += delta
 
 
 class RegionOwner:
@@ -170,7 +80,7 @@ class RegionOwner:
         self._clock = clock
         self.arena: StagingArena | None = None
         self._arena_registered = False
-        self._registered = _Counter()
+        self._registered = ThreadSafeCounter()
         send, receive = anyio.create_memory_object_stream[Handover](math.inf)
         self._send: MemoryObjectSendStream[Handover] = send
         self._receive: MemoryObjectReceiveStream[Handover] = receive
@@ -397,7 +307,7 @@ class RegionOwner:
         """One attempt; whether the region is gone. Failures are logged and rescheduled."""
         try:
             await self._run_abandonable(self._deregister_sync, handover)
-        except _CallRunning:
+        except CallRunning:
             return False
         except Exception as exc:
             handover.attempts += 1
@@ -432,7 +342,7 @@ class RegionOwner:
         # Never two calls on one region at once, never one after it succeeded.
         assert self.engine is not None
         if not handover.lock.acquire(blocking=False):
-            raise _CallRunning
+            raise CallRunning
         try:
             if not handover.deregistered:
                 self.engine.deregister(handover.ptr)
