@@ -260,7 +260,7 @@ class RequestLifecycle:
                     f"{self.config.send_timeout_s} and was released",
                     req_id=req_id,
                 ) from None
-            raise RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id) from None
+            raise _released(req_id) from None
         except Exception:
             # A failed send released the request: the caller sees it gone.
             await self.settle(record)
@@ -278,14 +278,10 @@ class RequestLifecycle:
         if record.phase is not Phase.STAGED:
             if record.error is not None:
                 raise _error_copy(record.error)
-            raise RequestNotActiveError(
-                f"req_id {record.req_id!r} was released", req_id=record.req_id
-            )
+            raise _released(record.req_id)
         identity = destination.identity
         if record.release_requested and identity not in record.delivered:
-            raise RequestNotActiveError(
-                f"req_id {record.req_id!r} was released", req_id=record.req_id
-            )
+            raise _released(record.req_id)
         start = anyio.current_time() if self._events.on_phase is not None else 0.0
         self.inflight += 1
         try:
