@@ -49,6 +49,8 @@ class RequestRecord:
     """
 
     request: EncodeRequest
+    #: ``request.req_id``, read on every step.
+    req_id: str = field(init=False)
     phase: Phase = Phase.ENCODING
     #: Sticky: once set, no new sends or destination registrations are accepted.
     release_requested: bool = False
@@ -74,9 +76,8 @@ class RequestRecord:
     #: Set by the free when an own registration went to the region owner.
     handover: Any = None
 
-    @property
-    def req_id(self) -> str:
-        return self.request.req_id
+    def __post_init__(self) -> None:
+        self.req_id = self.request.req_id
 
     @property
     def accepting(self) -> bool:
@@ -228,10 +229,13 @@ class RequestTable:
             self._remember(record.req_id, record.error)
 
     def _remember(self, req_id: str, error: EncdisaggError | None) -> None:
-        self._retired[req_id] = _Retired(self._clock() + self._remember_s, error)
-        self._retired.move_to_end(req_id)
-        if len(self._retired) > self._limit:
-            self._prune()
+        retired = self._retired
+        if req_id in retired:
+            retired.move_to_end(req_id)
+        retired[req_id] = _Retired(self._clock() + self._remember_s, error)
+        if len(retired) > self._limit:
+            # Full: the oldest goes (entries are in expiry order, all with one lifetime).
+            retired.popitem(last=False)
 
     def abandon(self, req_id: str) -> RequestRecord | None:
         """Mark ``req_id`` for release: the live record to release, else None.
