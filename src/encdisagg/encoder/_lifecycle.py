@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -43,6 +44,8 @@ from ._table import Phase, RequestRecord, RequestTable
 from ._types import Destination, EncodeRequest, EncodeResult, MooncakeDestination, ZmqDestination
 
 __all__ = ["RequestLifecycle"]
+
+T = TypeVar("T")
 
 _log = logging.getLogger("encdisagg.encoder")
 
@@ -296,16 +299,26 @@ class RequestLifecycle:
         record.note_delivered(identity, self.config.default_receive_count)
 
     async def _wait_staged(self, record: RequestRecord) -> None:
+        def staged() -> bool | None:
+            return True if record.phase is not Phase.ENCODING else None
+
+        await self._wait_for(record.req_id, staged, "req_id {req_id!r} was not staged within")
+
+    async def _wait_for(self, req_id: str, outcome: Callable[[], T | None], timed_out: str) -> T:
+        """Park on ``req_id`` until ``outcome()`` gives a value (or raises), at most
+        ``request_timeout_s``. Waiting or timing out leaves no state.
+
+        :raises RequestTimeoutError: ``timed_out`` (formatted with ``req_id``) and the bound.
+        """
         timeout = self.config.request_timeout_s
         try:
             with anyio.fail_after(timeout):
-                while record.phase is Phase.ENCODING:
-                    await self.wakeups.park(record.req_id)
+                while (value := outcome()) is None:
+                    await self.wakeups.park(req_id)
+                return value
         except TimeoutError:
-            raise RequestTimeoutError(
-                f"req_id {record.req_id!r} was not staged within {timeout} s",
-                req_id=record.req_id,
-            ) from None
+            message = timed_out.format(req_id=req_id)
+            raise RequestTimeoutError(f"{message} {timeout} s", req_id=req_id) from None
 
     def _start_push(self, record: RequestRecord, url: str) -> None:
         job = Job(record, self.free)
@@ -356,44 +369,32 @@ class RequestLifecycle:
     async def _wait_live(self, req_id: str) -> RequestRecord:
         """The live record of ``req_id``, waiting (bounded) for its encode to create it;
         waiting or timing out creates no state."""
-        timeout = self.config.request_timeout_s
-        try:
-            with anyio.fail_after(timeout):
-                while True:
-                    record = self.table.get(req_id)
-                    if record is not None:
-                        return record
-                    if self.table.ended(req_id):
-                        raise _released(req_id)
-                    await self.wakeups.park(req_id)
-        except TimeoutError:
-            raise RequestTimeoutError(
-                f"req_id {req_id!r} did not appear within {timeout} s", req_id=req_id
-            ) from None
+
+        def live() -> RequestRecord | None:
+            record = self.table.get(req_id)
+            if record is None and self.table.ended(req_id):
+                raise _released(req_id)
+            return record
+
+        return await self._wait_for(req_id, live, "req_id {req_id!r} did not appear within")
 
     # -- metadata, release --------------------------------------------------------------------
 
     async def wait_metadata(self, req_id: str) -> EncodeResult:
-        timeout = self.config.request_timeout_s
-        try:
-            with anyio.fail_after(timeout):
-                while True:
-                    record = self.table.get(req_id)
-                    if record is not None:
-                        if record.error is not None:
-                            raise _error_copy(record.error)
-                        if record.metadata is not None:
-                            return record.metadata
-                        if record.phase is Phase.ABORTED:
-                            raise _released(req_id)
-                    elif self.table.ended(req_id):
-                        error = self.table.ended_error(req_id)
-                        raise _released(req_id) if error is None else _error_copy(error)
-                    await self.wakeups.park(req_id)
-        except TimeoutError:
-            raise RequestTimeoutError(
-                f"no metadata for req_id {req_id!r} within {timeout} s", req_id=req_id
-            ) from None
+        def published() -> EncodeResult | None:
+            record = self.table.get(req_id)
+            if record is not None:
+                if record.error is not None:
+                    raise _error_copy(record.error)
+                if record.phase is Phase.ABORTED and record.metadata is None:
+                    raise _released(req_id)
+                return record.metadata
+            if self.table.ended(req_id):
+                error = self.table.ended_error(req_id)
+                raise _released(req_id) if error is None else _error_copy(error)
+            return None
+
+        return await self._wait_for(req_id, published, "no metadata for req_id {req_id!r} within")
 
     async def release(self, req_id: str) -> None:
         record = self.table.get(req_id)
