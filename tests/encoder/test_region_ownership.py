@@ -323,6 +323,38 @@ async def test_the_last_send_returns_within_the_cleanup_bound_and_reports_no_fai
     assert_idle(encoder)
 
 
+@pytest.mark.virtual_time
+async def test_a_late_release_waits_for_the_deregistration_under_way(
+    make_encoder: MakeEncoder,
+) -> None:
+    # The request's own deadline freed it, so nobody waited for its deregistration; a
+    # release that comes after returns only once that deregistration was tried.
+    engine = AuditingEngine()
+    deregistration = engine.hold("deregister", 1)
+    returned: list[str] = []
+    async with make_encoder(
+        engine=engine, **per_request_registration(send_timeout_s=10, cleanup_timeout_s=1e6)
+    ) as encoder:
+        with letting_go(deregistration):
+            await encoder.encode(request("r1"))
+            await deregistration.entered.wait()  # expired and freed; its region is held
+            assert encoder.stats().live_requests == 0
+
+            async def release() -> None:
+                await encoder.release("r1")
+                returned.append("release")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(release)
+                await anyio.wait_all_tasks_blocked()
+                assert returned == []
+                assert encoder.stats().staged_bytes > 0
+                deregistration.let_go()
+        assert returned == ["release"]
+        assert_idle(encoder)
+    assert engine.deregistered == engine.registered
+
+
 # -- finding 6: a failed deregistration after a failed write is reported -------------------
 
 

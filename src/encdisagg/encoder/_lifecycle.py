@@ -40,6 +40,7 @@ from ._delivery import Delivery
 from ._events import EncoderEvents
 from ._jobs import CutShort, Job
 from ._regions import RegionOwner
+from ._staged import Handover
 from ._table import Phase, RequestRecord, RequestTable
 from ._types import Destination, EncodeRequest, EncodeResult, MooncakeDestination, ZmqDestination
 
@@ -399,6 +400,10 @@ class RequestLifecycle:
     async def release(self, req_id: str) -> None:
         record = self.table.get(req_id)
         if record is None:
+            # Freed already; its own registration may still be on its way out.
+            handover = self._regions.pending.get(req_id)
+            if handover is not None:
+                await self._first_attempt(handover)
             return
         self.request_release(record)
         if record.phase is Phase.ENCODING:
@@ -424,10 +429,15 @@ class RequestLifecycle:
         with anyio.move_on_after(self.config.cleanup_timeout_s, shield=True):
             while not record.retired:
                 await self.wakeups.park(record.req_id)
-            handover = record.handover
-            if handover is not None:
+            if record.handover is not None:
                 # Its first deregistration attempt; a failed one is retried by the owner.
-                await handover.attempted.wait()
+                await record.handover.attempted.wait()
+
+    async def _first_attempt(self, handover: Handover) -> None:
+        """Wait, shielded and at most ``cleanup_timeout_s``, for the first deregistration
+        attempt of ``handover`` to end (a failed one is retried by the region owner)."""
+        with anyio.move_on_after(self.config.cleanup_timeout_s, shield=True):
+            await handover.attempted.wait()
 
     # -- shutdown -----------------------------------------------------------------------------
 

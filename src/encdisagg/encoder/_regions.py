@@ -86,6 +86,9 @@ class RegionOwner:
         self._receive: MemoryObjectReceiveStream[Handover] = receive
         #: Handed over and not yet deregistered (pending, failed, or stuck in the engine).
         self.unresolved: set[Handover] = set()
+        #: The latest handover of each request id still waiting for its deregistration, so
+        #: a late release of that id can wait for it as the release that freed it would.
+        self.pending: dict[str, Handover] = {}
 
     @classmethod
     def for_model(
@@ -200,6 +203,7 @@ class RegionOwner:
         handover = Handover(req_id, staged.ptr, staged.nbytes, staged.own)
         staged.registered = False
         self.unresolved.add(handover)
+        self.pending[req_id] = handover
         self._send.send_nowait(handover)
         return handover
 
@@ -358,6 +362,8 @@ class RegionOwner:
     def _settle(self, handover: Handover) -> None:
         if handover.deregistered:
             self.unresolved.discard(handover)
+            if self.pending.get(handover.req_id) is handover:
+                del self.pending[handover.req_id]
 
     async def _run_abandonable(self, func: Callable[[Unpack[Ts]], None], *args: *Ts) -> None:
         # The thread's own arguments keep the memory alive, so a call cut short by the
