@@ -253,7 +253,8 @@ class Encoder(anyio.AsyncContextManagerMixin):
         return await self._require_open().wait_metadata(req_id)
 
     async def release(self, req_id: str) -> None:
-        """Release ``req_id``. Idempotent; unknown ids are a no-op.
+        """Release ``req_id``. Idempotent; unknown ids are a no-op (an id freed a moment ago
+        whose own registration is still being deregistered waits for that first).
 
         A checkpoint. Stops new sends and registrations at once. If an encode is in flight,
         returns without waiting; the release completes when that encode ends. Otherwise
