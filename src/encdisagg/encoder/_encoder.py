@@ -1,12 +1,8 @@
-"""The Encoder: the public face of the request lifecycle.
+"""The Encoder: the public face of the request lifecycle (ownership: docs/architecture.md).
 
-Ownership (docs/architecture.md has the picture): the Encoder's block owns the region
-owner task (the staging arena and every engine registration), the services (batcher,
-deadline keeper) and the push task group; every request is a record whose jobs (encode,
-sends, pushes) are counted, and whose last job frees it. This module wires the rooms
-together and carries the public contract: ``_table`` decides what a request may do,
-``_lifecycle`` runs its jobs, ``_compute`` and ``_delivery`` do the work, ``_regions``
-owns the memory.
+This module wires the rooms together and carries the public contract: ``_table`` decides
+what a request may do, ``_lifecycle`` runs its jobs, ``_compute`` and ``_delivery`` do the
+work, ``_regions`` owns the memory and every engine registration.
 """
 
 from __future__ import annotations
