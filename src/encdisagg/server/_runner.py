@@ -19,6 +19,8 @@ import anyio.abc
 import sniffio
 from hypercorn.config import Config as HypercornConfig
 
+from ._eof_close import install_eof_close
+
 __all__ = ["bind_socket", "serve"]
 
 _log = logging.getLogger("encdisagg.server")
@@ -99,6 +101,8 @@ async def serve(
     :raises OSError: if the address cannot be bound.
     :raises hypercorn.utils.LifespanFailureError: if the app's startup failed.
     """
+    # Without it, a connection its client closed stays open until the keep-alive expires.
+    install_eof_close()
     listener = sock if sock is not None else bind_socket(host, port)
     url = _url(listener)
     config = HypercornConfig()
