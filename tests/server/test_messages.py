@@ -94,11 +94,11 @@ def test_receive_url_body_normalises_and_dedupes() -> None:
         {
             "req_id": "r",
             "receive_count": 2,
-            "receive_url": ["h:1", "tcp://h:1", "ipc:///tmp/x"],
+            "receive_url": ["h:1", "tcp://h:1", "[::1]:2"],
             "modality": "image",
         }
     )
-    assert body.receive_urls == ("tcp://h:1", "ipc:///tmp/x")
+    assert body.receive_urls == ("tcp://h:1", "tcp://[::1]:2")
     assert ReceiveUrlBody.from_json(body.to_wire()) == body
 
 

@@ -11,8 +11,10 @@ the framework's code). Hypercorn serves only once startup completed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import re
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any, Final, Literal
@@ -25,8 +27,10 @@ from .._config import EncoderConfig
 from .._errors import BadRequestError, EncdisaggError, ServiceUnavailableError
 from ..encoder import Encoder
 from ..nurseries import run_thread_to_completion
+from ._access import ApiKey, PeerAllowList
 from ._backend import Backend, LocalBackend
 from ._dp import DataParallelBackend
+from ._json import decode_body, shown
 from ._messages import (
     EncodeBody,
     MetadataBody,
@@ -56,6 +60,10 @@ _THREAD_DECODE_BYTES: Final = 256 * 1024
 _DECODE_THREADS: Final = 2
 _PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
 _EXTENSION: Final = "encdisagg"
+#: An object's default repr (``<_io.BytesIO object at 0x7f...>``): an address of this process.
+_OBJECT_REPR: Final = re.compile(r"<[^<>]{0,200} at 0x[0-9A-Fa-f]+>")
+#: Longest error message answered; the field it names comes first.
+_MAX_MESSAGE_CHARS: Final = 1000
 
 
 class EncoderService:
@@ -93,6 +101,11 @@ class EncoderService:
             )
         self._backend: Backend | None = None
         self._decode_limiter: anyio.CapacityLimiter | None = None
+        key = self.settings.api_key
+        self._api_key = None if key is None else ApiKey(key)
+        peers = self.settings.allowed_peers
+        #: ``None``: any destination (the default, as in SGLang and vLLM).
+        self.peers = None if peers is None else PeerAllowList.parse(peers)
 
     @property
     def config(self) -> EncoderConfig:
@@ -140,15 +153,21 @@ class EncoderService:
 
     # -- request handling ------------------------------------------------------------------
 
-    async def _respond(
-        self, route: str, call: Callable[[Backend, object], Awaitable[object]]
-    ) -> Response:
+    async def _respond(self, route: str, call: _Route) -> Response:
         try:
+            if self._api_key is not None and not self._api_key.allows(
+                request.headers.get("Authorization")
+            ):
+                response = _error_response(401, "missing or wrong API key", None)
+                response.headers["WWW-Authenticate"] = "Bearer"
+                self.metrics.count_http(route, 401)
+                return response
+            _require_json_type()
             body = await _read_json(self.settings.max_body_bytes, self._decode_limiter)
             backend = self._require_backend()
-            response = _json_response(await call(backend, body))
+            response = _json_response(await call(self, backend, body))
         except EncdisaggError as exc:
-            response = _error_response(exc.status, exc.message, exc.req_id)
+            response = _error_response(exc.status, _public(exc.message), exc.req_id)
         except HTTPException as exc:
             response = _http_error_response(exc, self.settings.max_body_bytes)
         except Exception:
@@ -162,7 +181,7 @@ class EncoderService:
         try:
             report = await self._require_backend().health()
         except EncdisaggError as exc:
-            response = _error_response(503, exc.message, None)
+            response = _error_response(503, _public(exc.message), None)
         except Exception:
             _log.exception("/health failed unexpectedly")
             response = _error_response(503, "the health check failed", None)
@@ -170,7 +189,7 @@ class EncoderService:
             if report.ok:
                 response = _json_response({"status": "ok", "probed": report.probed})
             else:
-                response = _error_response(503, report.message, None)
+                response = _error_response(503, _public(report.message), None)
         self.metrics.count_http("/health", response.status_code)
         return response
 
@@ -189,32 +208,44 @@ class EncoderService:
         return response
 
 
-async def _encode(backend: Backend, body: object) -> object:
+_Route = Callable[[EncoderService, Backend, object], Awaitable[object]]
+
+
+async def _encode(service: EncoderService, backend: Backend, body: object) -> object:
     message = EncodeBody.from_json(body)
     return result_json(await backend.encode(message), message.part_idx)
 
 
-async def _send(backend: Backend, body: object) -> object:
-    await backend.send(SendBody.from_json(body))
+async def _send(service: EncoderService, backend: Backend, body: object) -> object:
+    message = SendBody.from_json(body)
+    if service.peers is not None:
+        # Before the backend: no connection is opened, no name looked up.
+        service.peers.check_destination(message.destination, req_id=message.req_id)
+    await backend.send(message)
     return None
 
 
-async def _register(backend: Backend, body: object) -> object:
-    await backend.register(ReceiveUrlBody.from_json(body))
+async def _register(service: EncoderService, backend: Backend, body: object) -> object:
+    message = ReceiveUrlBody.from_json(body)
+    if service.peers is not None:
+        for index, url in enumerate(message.receive_urls):
+            endpoint = url.removeprefix("tcp://")
+            service.peers.check(f"receive_url[{index}]", endpoint, req_id=message.req_id)
+    await backend.register(message)
     return None
 
 
-async def _metadata(backend: Backend, body: object) -> object:
+async def _metadata(service: EncoderService, backend: Backend, body: object) -> object:
     message = MetadataBody.from_json(body)
     return result_json(await backend.metadata(message), message.part_idx)
 
 
-async def _release(backend: Backend, body: object) -> object:
+async def _release(service: EncoderService, backend: Backend, body: object) -> object:
     await backend.release(ReleaseBody.from_json(body).req_id)
     return None
 
 
-_ROUTES: Final[dict[str, Callable[[Backend, object], Awaitable[object]]]] = {
+_ROUTES: Final[dict[str, _Route]] = {
     "/encode": _encode,
     "/send": _send,
     "/scheduler_receive_url": _register,
@@ -223,15 +254,31 @@ _ROUTES: Final[dict[str, Callable[[Backend, object], Awaitable[object]]]] = {
 }
 
 
-def _reject_constant(name: str) -> object:
-    raise ValueError(f"{name} is not valid JSON")
+class _UnsupportedMediaType(EncdisaggError):
+    status = 415
 
 
-def _decode_json(data: bytes) -> object:
-    try:
-        return json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
+def _require_json_type() -> None:
+    """Refuse a body that is not declared JSON: a browser sends text/plain, form and
+    multipart bodies across sites without asking, never application/json.
+
+    :raises EncdisaggError: with status 415.
+    """
+    if request.mimetype != "application/json":
+        given = request.headers.get("Content-Type")
+        raise _UnsupportedMediaType(
+            "Content-Type must be application/json; got "
+            + ("none" if given is None else shown(given))
+        )
+
+
+def _public(message: str) -> str:
+    """``message`` as it may be answered: a library's text passed on in it may quote an
+    object's repr, and so an address of this process; and it is bounded."""
+    message = _OBJECT_REPR.sub("<object>", message)
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[:_MAX_MESSAGE_CHARS] + "..."
+    return message
 
 
 async def _read_json(limit: int, limiter: anyio.CapacityLimiter | None) -> object:
@@ -249,8 +296,8 @@ async def _read_json(limit: int, limiter: anyio.CapacityLimiter | None) -> objec
     if not data.strip():
         raise BadRequestError("the request body is empty; expected a JSON object")
     if len(data) > _THREAD_DECODE_BYTES:
-        return await run_thread_to_completion(_decode_json, data, limiter=limiter)
-    return _decode_json(data)
+        return await run_thread_to_completion(decode_body, data, limiter=limiter)
+    return decode_body(data)
 
 
 def _json_response(payload: object, status: int = 200) -> Response:
@@ -340,6 +387,7 @@ def mount_encoder(
     settings: ServerSettings | None = None,
     url_prefix: str | None = None,
     encoder_metrics: EncoderMetrics | None = None,
+    api_key: str | None = None,
 ) -> EncoderService:
     """Add the encoder routes to an existing Quart (or QuartTrio) app.
 
@@ -352,16 +400,21 @@ def mount_encoder(
     named by clients (``allow_local_files`` is turned off). A given
     :class:`~encdisagg.Encoder` is used as it is: opened by the lifespan unless already open;
     pass ``encoder_metrics`` if it was built with ``events=encoder_metrics.events()``.
+    ``api_key`` (overriding ``settings.api_key``) makes every route but ``/health`` and
+    ``/metrics`` require ``Authorization: Bearer <api_key>``.
 
     :returns: the service (also at ``app.extensions["encdisagg"]``).
     :raises RuntimeError: if the app has an encoder mounted already.
+    :raises BadRequestError: if ``api_key`` is empty or not visible ASCII.
     """
     if _EXTENSION in app.extensions:
         raise RuntimeError("this app has an encoder mounted already")
+    if api_key is not None:
+        settings = dataclasses.replace(settings or ServerSettings(), api_key=api_key)
     service = EncoderService(config_or_encoder, settings, encoder_metrics=encoder_metrics)
     blueprint = Blueprint("encdisagg", __name__, url_prefix=url_prefix)
 
-    def add_route(path: str, call: Callable[[Backend, object], Awaitable[object]]) -> None:
+    def add_route(path: str, call: _Route) -> None:
         async def view() -> Response:
             return await service._respond(path, call)
 

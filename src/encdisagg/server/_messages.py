@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Final, Self
 
 from .._errors import BadRequestError
 from .._modality import Modality
@@ -21,8 +21,11 @@ from ..encoder import (
     MooncakeDestination,
     ZmqDestination,
 )
+from ._fields import MAX_TEXT_CHARS, Fields, type_name, zmq_url
+from ._json import INT_MAX
 
 __all__ = [
+    "MAX_PUSH_URLS",
     "EncodeBody",
     "MetadataBody",
     "ReceiveUrlBody",
@@ -33,94 +36,8 @@ __all__ = [
     "result_to_wire",
 ]
 
-_MISSING: Any = object()
-
-
-def _type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-class _Fields:
-    """Reads the fields of one JSON object, naming each offending field in its error."""
-
-    def __init__(self, body: object, allowed: frozenset[str], what: str) -> None:
-        if not isinstance(body, Mapping):
-            raise BadRequestError(f"the {what} body must be a JSON object, got {_type_name(body)}")
-        self._body: Mapping[Any, Any] = body
-        self.req_id: str | None = None
-        raw_id = body.get("req_id")
-        if isinstance(raw_id, str) and raw_id:
-            self.req_id = raw_id
-        unknown = sorted(str(key) for key in body if key not in allowed)
-        if unknown:
-            raise BadRequestError(
-                f"unknown field {unknown[0]!r} in the {what} body", req_id=self.req_id
-            )
-
-    def error(self, message: str) -> BadRequestError:
-        return BadRequestError(message, req_id=self.req_id)
-
-    def has(self, name: str) -> bool:
-        return self._body.get(name) is not None
-
-    def raw(self, name: str, *, required: bool) -> Any:
-        value = self._body.get(name, _MISSING)
-        if value is _MISSING or (value is None and not required):
-            if required:
-                raise self.error(f"missing field {name!r}")
-            return None
-        return value
-
-    def text(self, name: str, *, required: bool = True) -> str | None:
-        value = self.raw(name, required=required)
-        if value is None and not required:
-            return None
-        if not isinstance(value, str) or not value:
-            raise self.error(f"{name} must be a non-empty string, got {_type_name(value)}")
-        return value
-
-    def integer(
-        self,
-        name: str,
-        *,
-        required: bool = True,
-        minimum: int | None = None,
-        maximum: int | None = None,
-    ) -> int | None:
-        value = self.raw(name, required=required)
-        if value is None and not required:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(f"{name} must be an integer, got {_type_name(value)}")
-        if minimum is not None and value < minimum:
-            raise self.error(f"{name} must be at least {minimum}; got {value}")
-        if maximum is not None and value > maximum:
-            raise self.error(f"{name} must be at most {maximum}; got {value}")
-        return value
-
-
-def _req_id(fields: _Fields) -> str:
-    value = fields.text("req_id")
-    assert value is not None
-    return value
-
-
-def _zmq_url(value: str) -> str:
-    # SGLang's receivers register "host:port"; ZMQ needs a transport prefix.
-    return value if "://" in value else f"tcp://{value}"
-
+#: Most receivers one ``/scheduler_receive_url`` may name (each gets its own push).
+MAX_PUSH_URLS: Final = 64
 
 # --- /encode ---------------------------------------------------------------------------------
 
@@ -141,11 +58,11 @@ class EncodeBody:
     @classmethod
     def from_json(cls, body: object) -> Self:
         """:raises BadRequestError: naming the first invalid field."""
-        fields = _Fields(body, cls._FIELDS, "/encode")
-        req_id = _req_id(fields)
+        fields = Fields(body, cls._FIELDS, "/encode")
+        req_id = fields.req_id_field()
         raw_items = fields.raw("mm_items", required=True)
         if not isinstance(raw_items, (list, tuple)):
-            raise fields.error(f"mm_items must be a list, got {_type_name(raw_items)}")
+            raise fields.error(f"mm_items must be a list, got {type_name(raw_items)}")
         if not raw_items:
             raise fields.error("mm_items must not be empty")
         items: list[str | Mapping[str, Any]] = []
@@ -157,9 +74,9 @@ class EncodeBody:
             else:
                 raise fields.error(
                     f"mm_items[{index}] must be a non-empty string (data URL, base64 or URL) "
-                    f"or an object with 'url', got {_type_name(item)}"
+                    f"or an object with 'url', got {type_name(item)}"
                 )
-        modality = fields.text("modality", required=False) or "image"
+        modality = fields.text("modality", required=False, max_chars=32) or "image"
         try:
             Modality.parse(modality)
         except BadRequestError as exc:
@@ -174,13 +91,12 @@ class EncodeBody:
         raw_hashes = fields.raw("hashes", required=False)
         if raw_hashes is not None:
             if not isinstance(raw_hashes, (list, tuple)):
-                raise fields.error(
-                    f"hashes must be a list of strings, got {_type_name(raw_hashes)}"
-                )
+                raise fields.error(f"hashes must be a list of strings, got {type_name(raw_hashes)}")
             for index, value in enumerate(raw_hashes):
-                if not isinstance(value, str) or not value:
+                if not isinstance(value, str) or not value or len(value) > MAX_TEXT_CHARS:
                     raise fields.error(
-                        f"hashes[{index}] must be a non-empty string, got {_type_name(value)}"
+                        f"hashes[{index}] must be a non-empty string of at most "
+                        f"{MAX_TEXT_CHARS} characters, got {type_name(value)}"
                     )
             if len(raw_hashes) != len(items):
                 raise fields.error(
@@ -248,8 +164,8 @@ class SendBody:
     @classmethod
     def from_json(cls, body: object) -> Self:
         """:raises BadRequestError: naming the first invalid field."""
-        fields = _Fields(body, cls._FIELDS, "/send")
-        req_id = _req_id(fields)
+        fields = Fields(body, cls._FIELDS, "/send")
+        req_id = fields.req_id_field()
         for name in ("part_idx", "embedding_size", "embedding_len", "embedding_dim"):
             fields.integer(name, required=False, minimum=0)
         receive_count = fields.integer("receive_count", required=False, minimum=1)
@@ -265,13 +181,12 @@ class SendBody:
             assert url is not None
             destination = _zmq_destination(fields, "receive_url", url)
         elif mooncake_given:
-            session_id = fields.text("session_id")
-            address = fields.integer("buffer_address", minimum=1)
-            host = fields.text("prefill_host")
+            session_id = fields.identifier("session_id")
+            # A registered address is a 64-bit pointer; anything larger no engine can take.
+            address = fields.integer("buffer_address", minimum=1, maximum=INT_MAX)
+            host = fields.identifier("prefill_host")
             port = fields.integer("embedding_port", minimum=1, maximum=65535)
-            assert session_id is not None
             assert address is not None
-            assert host is not None
             destination = MooncakeDestination(session_id, address, f"{host}:{port}")
         else:
             raise fields.error(
@@ -298,11 +213,11 @@ class SendBody:
         return wire
 
 
-def _zmq_destination(fields: _Fields, name: str, url: str) -> ZmqDestination:
+def _zmq_destination(fields: Fields, name: str, url: str) -> ZmqDestination:
     try:
-        return ZmqDestination(_zmq_url(url))
+        return ZmqDestination(zmq_url(name, url))
     except BadRequestError as exc:
-        raise fields.error(f"{name}: {exc.message}") from None
+        raise fields.error(exc.message) from None
 
 
 # --- /scheduler_receive_url ------------------------------------------------------------------
@@ -325,11 +240,11 @@ class ReceiveUrlBody:
     @classmethod
     def from_json(cls, body: object) -> Self:
         """:raises BadRequestError: naming the first invalid field."""
-        fields = _Fields(body, cls._FIELDS, "/scheduler_receive_url")
-        req_id = _req_id(fields)
+        fields = Fields(body, cls._FIELDS, "/scheduler_receive_url")
+        req_id = fields.req_id_field()
         receive_count = fields.integer("receive_count", minimum=1)
         assert receive_count is not None
-        modality = fields.text("modality", required=False)
+        modality = fields.text("modality", required=False, max_chars=32)
         if modality is not None:
             try:
                 Modality.parse(modality)
@@ -340,13 +255,15 @@ class ReceiveUrlBody:
             raw = [raw]
         if not isinstance(raw, (list, tuple)) or not raw:
             raise fields.error(
-                f"receive_url must be a URL or a non-empty list of URLs, got {_type_name(raw)}"
+                f"receive_url must be a URL or a non-empty list of URLs, got {type_name(raw)}"
             )
+        if len(raw) > MAX_PUSH_URLS:
+            raise fields.error(f"receive_url lists {len(raw)} URLs; at most {MAX_PUSH_URLS}")
         urls: list[str] = []
         for index, value in enumerate(raw):
             name = f"receive_url[{index}]"
             if not isinstance(value, str) or not value:
-                raise fields.error(f"{name} must be a non-empty string, got {_type_name(value)}")
+                raise fields.error(f"{name} must be a non-empty string, got {type_name(value)}")
             url = _zmq_destination(fields, name, value).url
             if url not in urls:
                 urls.append(url)
@@ -375,8 +292,8 @@ class MetadataBody:
     @classmethod
     def from_json(cls, body: object) -> Self:
         """:raises BadRequestError: naming the first invalid field."""
-        fields = _Fields(body, cls._FIELDS, "/scheduler_receive_meta_data")
-        req_id = _req_id(fields)
+        fields = Fields(body, cls._FIELDS, "/scheduler_receive_meta_data")
+        req_id = fields.req_id_field()
         part_idx = fields.integer("part_idx", minimum=0)
         assert part_idx is not None
         return cls(req_id, part_idx)
@@ -396,7 +313,7 @@ class ReleaseBody:
     @classmethod
     def from_json(cls, body: object) -> Self:
         """:raises BadRequestError: naming the first invalid field."""
-        return cls(_req_id(_Fields(body, cls._FIELDS, "/release")))
+        return cls(Fields(body, cls._FIELDS, "/release").req_id_field())
 
     def to_wire(self) -> dict[str, Any]:
         return {"req_id": self.req_id}
@@ -441,8 +358,8 @@ def result_from_wire(value: object) -> EncodeResult:
 
     :raises BadRequestError: naming the invalid field.
     """
-    fields = _Fields(value, _RESULT_FIELDS, "encode result")
-    req_id = _req_id(fields)
+    fields = Fields(value, _RESULT_FIELDS, "encode result")
+    req_id = fields.req_id_field()
     numbers = {
         name: fields.integer(name, minimum=0) for name in ("num_tokens", "hidden_size", "nbytes")
     }

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from .._errors import BadRequestError
+from ._access import ApiKey, PeerAllowList
 
 __all__ = ["ServerSettings"]
 
@@ -34,6 +35,12 @@ class ServerSettings:
     worker_max_inflight: int = 256
     #: Log level of the workers.
     worker_log_level: str = "info"
+    #: When set, every route except ``/health`` and ``/metrics`` requires
+    #: ``Authorization: Bearer <api_key>`` (401 otherwise). Never shown in a repr.
+    api_key: str | None = field(default=None, repr=False)
+    #: When set, the hosts and networks (``"10.0.0.0/8"``, ``"prefill-0"``) that a
+    #: ``/send`` or push destination may name; anything else is refused with 403.
+    allowed_peers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -52,3 +59,9 @@ class ServerSettings:
             )
         if self.worker_log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise BadRequestError(f"worker_log_level is not a log level: {self.worker_log_level!r}")
+        if self.api_key is not None:
+            ApiKey(self.api_key)
+        if self.allowed_peers is not None:
+            if isinstance(self.allowed_peers, str):
+                raise BadRequestError("allowed_peers must be a list of hosts or networks")
+            PeerAllowList.parse(self.allowed_peers)

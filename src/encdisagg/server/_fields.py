@@ -1,0 +1,182 @@
+"""Reading the fields of one decoded body strictly, naming each offending field.
+
+Shared by every message type of ``_messages`` (HTTP bodies and the data-parallel front's
+msgpack maps alike). Booleans are never integers; identifiers and addresses are bounded in
+length and charset, so no client text of unbounded size or odd characters is ever held,
+logged or quoted back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+from .._errors import BadRequestError
+from ._json import shown
+
+__all__ = [
+    "MAX_REQ_ID_CHARS",
+    "MAX_TEXT_CHARS",
+    "Fields",
+    "split_host_port",
+    "type_name",
+    "valid_req_id",
+    "zmq_url",
+]
+
+_MISSING: Any = object()
+
+#: Longest ``req_id``: room for a UUID, a part suffix and a prefix, not for a payload.
+MAX_REQ_ID_CHARS: Final = 256
+#: Longest other identifier or address (session ids, hosts, URLs, hashes).
+MAX_TEXT_CHARS: Final = 512
+#: Visible ASCII: no spaces, control characters or non-ASCII (which logs and headers mangle).
+_VISIBLE: Final = re.compile(r"[\x21-\x7e]+")
+_HOSTNAME: Final = re.compile(r"[A-Za-z0-9_.-]+")
+_IPV6: Final = re.compile(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?")
+
+
+def type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def valid_req_id(value: object) -> bool:
+    """Whether ``value`` is an acceptable ``req_id``: 1 to 256 visible ASCII characters."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= MAX_REQ_ID_CHARS
+        and _VISIBLE.fullmatch(value) is not None
+    )
+
+
+def split_host_port(text: str) -> tuple[str, int] | None:
+    """``"host:port"`` or ``"[v6]:port"`` as (host, port), or None if it is not one.
+
+    The host is a hostname or an IP literal (no wildcard, no user part, no path), the port
+    an integer in [1, 65535]. Nothing is resolved.
+    """
+    if len(text) > MAX_TEXT_CHARS:
+        return None
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or not rest.startswith(":") or _IPV6.fullmatch(host) is None:
+            return None
+        port_text = rest[1:]
+    else:
+        host, colon, port_text = text.rpartition(":")
+        if not colon or _HOSTNAME.fullmatch(host) is None:
+            return None
+    if not port_text.isascii() or not port_text.isdigit() or len(port_text) > 5:
+        return None
+    port = int(port_text)
+    return (host, port) if 1 <= port <= 65535 else None
+
+
+def zmq_url(name: str, value: str) -> str:
+    """A receiver's ZMQ endpoint, normalised to ``tcp://host:port``.
+
+    SGLang's receivers register ``"host:port"``; ZMQ needs the transport prefix.
+
+    :raises BadRequestError: naming ``name``, if it is not ``[tcp://]host:port``.
+    """
+    scheme, separator, rest = value.partition("://")
+    if not separator:
+        scheme, rest = "tcp", value
+    if scheme != "tcp" or split_host_port(rest) is None:
+        raise BadRequestError(
+            f"{name} must be tcp://host:port (or host:port) with a port in [1, 65535]; "
+            f"got {shown(value)}"
+        )
+    return f"tcp://{rest}"
+
+
+class Fields:
+    """Reads the fields of one JSON object, naming each offending field in its error."""
+
+    def __init__(self, body: object, allowed: frozenset[str], what: str) -> None:
+        if not isinstance(body, Mapping):
+            raise BadRequestError(f"the {what} body must be a JSON object, got {type_name(body)}")
+        self._body: Mapping[Any, Any] = body
+        self.req_id: str | None = None
+        raw_id = body.get("req_id")
+        # Only a valid id is carried into errors (and so quoted back or logged).
+        if valid_req_id(raw_id):
+            self.req_id = raw_id
+        unknown = sorted(str(key) for key in body if key not in allowed)
+        if unknown:
+            raise BadRequestError(
+                f"unknown field {shown(unknown[0])} in the {what} body", req_id=self.req_id
+            )
+
+    def error(self, message: str) -> BadRequestError:
+        return BadRequestError(message, req_id=self.req_id)
+
+    def has(self, name: str) -> bool:
+        return self._body.get(name) is not None
+
+    def raw(self, name: str, *, required: bool) -> Any:
+        value = self._body.get(name, _MISSING)
+        if value is _MISSING or (value is None and not required):
+            if required:
+                raise self.error(f"missing field {name!r}")
+            return None
+        return value
+
+    def text(
+        self, name: str, *, required: bool = True, max_chars: int = MAX_TEXT_CHARS
+    ) -> str | None:
+        """A non-empty string of at most ``max_chars`` characters."""
+        value = self.raw(name, required=required)
+        if value is None and not required:
+            return None
+        if not isinstance(value, str) or not value:
+            raise self.error(f"{name} must be a non-empty string, got {type_name(value)}")
+        if len(value) > max_chars:
+            raise self.error(f"{name} must be at most {max_chars} characters; got {len(value)}")
+        return value
+
+    def identifier(self, name: str, *, max_chars: int = MAX_TEXT_CHARS) -> str:
+        """A required string of visible ASCII characters, at most ``max_chars``."""
+        value = self.text(name, max_chars=max_chars)
+        assert value is not None
+        if _VISIBLE.fullmatch(value) is None:
+            raise self.error(
+                f"{name} must be visible ASCII characters (no spaces or control characters)"
+            )
+        return value
+
+    def req_id_field(self) -> str:
+        """The body's ``req_id``: 1 to 256 visible ASCII characters."""
+        return self.identifier("req_id", max_chars=MAX_REQ_ID_CHARS)
+
+    def integer(
+        self,
+        name: str,
+        *,
+        required: bool = True,
+        minimum: int | None = None,
+        maximum: int | None = None,
+    ) -> int | None:
+        value = self.raw(name, required=required)
+        if value is None and not required:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(f"{name} must be an integer, got {type_name(value)}")
+        if minimum is not None and value < minimum:
+            raise self.error(f"{name} must be at least {minimum}; got {value}")
+        if maximum is not None and value > maximum:
+            raise self.error(f"{name} must be at most {maximum}; got {value}")
+        return value
