@@ -100,6 +100,16 @@ class EncoderConfig:
     abandon_ttl_s: float = 60.0
     #: Bound on one ZMQ push (a slow or absent receiver fails the send after this).
     zmq_send_timeout_s: float = 30.0
+    #: A ZMQ push socket no push used for this long is closed (its receiver may be gone).
+    zmq_idle_timeout_s: float = 60.0
+    #: ZMQ push sockets kept open at once; one more receiver closes the least recently used.
+    zmq_max_endpoints: int = 128
+    #: The receivers' CURVE public key (Z85): every ZMQ push is then encrypted and
+    #: authenticated, and reaches only a receiver holding the matching secret key.
+    zmq_curve_server_key: str | None = None
+    #: Per-receiver CURVE keys, ``"tcp://host:port KEY"`` each, winning over
+    #: ``zmq_curve_server_key``. With any key set, nothing is pushed in the clear.
+    zmq_curve_server_keys: tuple[str, ...] = field(default_factory=tuple)
     #: Jobs that may wait for the batcher before ``encode`` pushes back.
     max_queued_jobs: int = 1024
     #: Worker threads used for preprocessing.
@@ -163,6 +173,16 @@ class EncoderConfig:
             value = getattr(self, name)
             if not value > 0 or value != value:
                 raise BadRequestError(f"{name} must be a positive number; got {value}")
+        if self.zmq_max_endpoints < 1:
+            raise BadRequestError(
+                f"zmq_max_endpoints must be at least 1; got {self.zmq_max_endpoints}"
+            )
+        if not self.zmq_idle_timeout_s > 0:
+            raise BadRequestError(
+                f"zmq_idle_timeout_s must be a positive number; got {self.zmq_idle_timeout_s}"
+            )
+        if self.zmq_curve_server_key is not None or self.zmq_curve_server_keys:
+            self.zmq_push_options()  # a malformed key fails here, naming its field
         if self.prefix_cache_mb < 0:
             raise BadRequestError(f"prefix_cache_mb must be 0 or more; got {self.prefix_cache_mb}")
         if self.staging_arena_mb is not None and self.staging_arena_mb < 0:
@@ -183,6 +203,26 @@ class EncoderConfig:
         if self.staged_memory_limit_mb is not None:
             return self.staged_memory_limit_mb * 1024 * 1024
         return 256 * 1024 * 1024
+
+    def zmq_push_options(self) -> dict[str, Any]:
+        """The :class:`~encdisagg.transfer.ZmqPushPool` options this config sets.
+
+        :raises BadRequestError: a malformed CURVE key, naming its field.
+        """
+        from .transfer._zmq_curve import curve_key, parse_server_keys
+
+        server_key = self.zmq_curve_server_key
+        return {
+            "send_timeout_s": self.zmq_send_timeout_s,
+            "idle_timeout_s": self.zmq_idle_timeout_s,
+            "max_endpoints": self.zmq_max_endpoints,
+            "curve_server_key": None
+            if server_key is None
+            else curve_key(server_key, "zmq_curve_server_key"),
+            "curve_server_keys": parse_server_keys(
+                self.zmq_curve_server_keys, "zmq_curve_server_keys"
+            ),
+        }
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

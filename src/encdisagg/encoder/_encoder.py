@@ -112,7 +112,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
                     config, global_settings, model, self._events, stack
                 )
             zmq = await stack.enter_async_context(
-                ZmqPushPool(send_timeout_s=config.zmq_send_timeout_s, sndhwm=_ZMQ_QUEUE)
+                ZmqPushPool(sndhwm=_ZMQ_QUEUE, **config.zmq_push_options())
             )
             regions = self._regions = RegionOwner.for_model(
                 self._engine, self._budget, model, config

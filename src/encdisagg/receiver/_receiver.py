@@ -39,6 +39,9 @@ __all__ = ["EmbeddingReceiver"]
 _log = logging.getLogger("encdisagg.receiver")
 
 TRANSPORTS: Final = ("zmq", "mooncake")
+#: The most tokens one part may carry by default: what Qwen2-VL's processor makes of one
+#: image at its default ``max_pixels`` (12,845,056 pixels / 28² per merged token).
+DEFAULT_MAX_PART_TOKENS: Final = 16384
 
 
 class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
@@ -58,8 +61,14 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
     :param page_bytes: bytes per landing page.
     :param alloc_timeout_s: how long a part waits for landing pages at most.
     :param quarantine_s: how long pages an encoder may still write into are held back.
-    :param max_payload_bytes: ZMQ payloads larger than this are refused.
+    :param max_part_tokens: the most tokens one part may have; a ZMQ payload larger than
+        that many rows of ``hidden_size`` x ``dtype`` is refused before ZMQ buffers it.
+    :param max_payload_bytes: the ZMQ payload bound in bytes, instead of the one
+        ``max_part_tokens`` gives.
     :param close_timeout_s: bound on the wait for live requests when closing.
+    :param curve_secret_key: the receiver's CURVE secret key (Z85; ZMQ only): pushes are
+        then accepted only from encoders configured with its public key
+        (:attr:`curve_public_key`), encrypted and authenticated.
     """
 
     def __init__(
@@ -74,8 +83,10 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         page_bytes: int = 16 * 1024,
         alloc_timeout_s: float = 30.0,
         quarantine_s: float = 60.0,
+        max_part_tokens: int = DEFAULT_MAX_PART_TOKENS,
         max_payload_bytes: int | None = None,
         close_timeout_s: float = 10.0,
+        curve_secret_key: str | bytes | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise BadRequestError(
@@ -86,6 +97,10 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise BadRequestError(f"hidden_size must be a positive integer; got {hidden_size!r}")
         dtype_name(dtype)
+        if isinstance(max_part_tokens, bool) or not isinstance(max_part_tokens, int):
+            raise BadRequestError(f"max_part_tokens must be an integer; got {max_part_tokens!r}")
+        if max_part_tokens < 1:
+            raise BadRequestError(f"max_part_tokens must be at least 1; got {max_part_tokens}")
         self.transport = transport
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -96,8 +111,14 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         self._page_bytes = page_bytes
         self._alloc_timeout_s = alloc_timeout_s
         self._quarantine_s = quarantine_s
-        self._max_payload_bytes = max_payload_bytes
+        self.max_part_tokens = max_part_tokens
+        self._max_payload_bytes = (
+            max_part_tokens * hidden_size * self.itemsize
+            if max_payload_bytes is None
+            else max_payload_bytes
+        )
         self._close_timeout_s = close_timeout_s
+        self._curve_secret_key = curve_secret_key
         self._zmq: ZmqReceiver | None = None
         self._pool: LandingPool | None = None
         self._session_id: str | None = None
@@ -119,6 +140,11 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
                 "the receiver has no ZMQ endpoint (not open, or Mooncake)"
             )
         return self._zmq.url
+
+    @property
+    def curve_public_key(self) -> bytes | None:
+        """The CURVE key encoders must push with (Z85), once open; ``None`` without CURVE."""
+        return None if self._zmq is None else self._zmq.curve_public_key
 
     @property
     def pool(self) -> LandingPool:
@@ -173,7 +199,11 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             raise RuntimeError("an EmbeddingReceiver is entered once")
         if self.transport == "zmq":
             async with (
-                ZmqReceiver(self._bind, max_payload_bytes=self._max_payload_bytes) as zmq_rx,
+                ZmqReceiver(
+                    self._bind,
+                    max_payload_bytes=self._max_payload_bytes,
+                    curve_secret_key=self._curve_secret_key,
+                ) as zmq_rx,
                 anyio.create_task_group() as group,
             ):
                 self._zmq = zmq_rx

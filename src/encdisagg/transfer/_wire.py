@@ -19,6 +19,7 @@ __all__ = [
     "encode_header",
     "decode_header",
     "payload_nbytes",
+    "check_payload",
     "payload_view",
     "tensor_from_frame",
     "dtype_name",
@@ -311,3 +312,25 @@ def tensor_from_frame(
     if view.readonly:
         view = memoryview(bytearray(view))
     return torch.frombuffer(view, dtype=dtype).view(header.shape)
+
+
+def check_payload(header: EmbeddingHeader, payload: memoryview | None) -> None:
+    """:raises BadRequestError: ``payload`` does not fit ``header`` (missing, present for an
+    error part, not C-contiguous, or not ``payload_nbytes(header)`` long)."""
+    where = f"req_id {header.req_id!r} part {header.part_idx}"
+    if header.error is not None:
+        if payload is not None:
+            raise BadRequestError(
+                f"error part of {where} must have no payload", req_id=header.req_id
+            )
+        return
+    if payload is None:
+        raise BadRequestError(f"payload of {where} is missing", req_id=header.req_id)
+    if not payload.c_contiguous:
+        raise BadRequestError(f"payload of {where} is not C-contiguous", req_id=header.req_id)
+    if payload.nbytes != payload_nbytes(header):
+        raise BadRequestError(
+            f"payload of {where} is {payload.nbytes} bytes; shape {list(header.shape)} of "
+            f"{header.dtype} needs {payload_nbytes(header)}",
+            req_id=header.req_id,
+        )

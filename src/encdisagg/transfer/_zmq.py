@@ -9,7 +9,7 @@ read before every wait and again after every wake-up.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Final, cast, final
 
@@ -17,13 +17,10 @@ import anyio
 import anyio.lowlevel
 import zmq
 
-from .._errors import BadRequestError, TransferError
-from ..nurseries import run_thread_to_completion
-from ._wire import (
-    EmbeddingHeader,
-    encode_header,
-    payload_nbytes,
-)
+from .._errors import TransferError
+from ..nurseries import collapse_single_error, run_thread_to_completion
+from ._wire import EmbeddingHeader, check_payload, encode_header
+from ._zmq_curve import CurveClient
 from ._zmq_release import wait_released
 
 __all__ = ["ZmqPushPool", "wait_events"]
@@ -39,6 +36,11 @@ DEFAULT_COPY_BELOW_BYTES: Final = 64 * 1024
 _RELEASE_WAITER_THREADS: Final = 64
 # What a copied frame is tracked by: ZMQ never held the caller's memory.
 _NOTHING_HELD: Final = zmq.MessageTracker()
+#: A socket no send used for this long is closed (its receiver may be gone for good: ZMQ
+#: would otherwise try to reconnect to it forever).
+DEFAULT_IDLE_TIMEOUT_S: Final = 60.0
+#: Sockets a pool keeps open; a new endpoint beyond it closes the least recently used idle one.
+DEFAULT_MAX_ENDPOINTS: Final = 128
 
 
 async def wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
@@ -77,6 +79,11 @@ class _Connection:
     # Set once the socket was closed on a failure; any message that was still queued on it
     # then was dropped, so a send that finds it set after its release did not deliver.
     broken: bool = False
+    # Sends between their connect and ZMQ's release of their payload (busy while any).
+    users: int = 0
+    # Set by every message queued; the idle sweep clears it, and closes a socket it finds
+    # cleared (nothing queued for a whole sweep period) and not busy.
+    used: bool = True
 
 
 @final
@@ -105,6 +112,16 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         ``ZMQ_IMMEDIATE``). On (the default), a send to an endpoint nobody listens at waits
         for room and fails after ``send_timeout_s``; off, a copied message to it is queued
         and counts as sent although it may never leave.
+    :param idle_timeout_s: inside ``async with``, a socket no send used for this long is
+        closed within another ``idle_timeout_s`` (a copied message that waited in its queue
+        all that time is dropped); the next send to it connects afresh.
+    :param max_endpoints: how many sockets the pool keeps: connecting to one more endpoint
+        first closes the least recently used socket no send is using. Only while every
+        socket is in use does the pool grow past it.
+    :param curve_server_key: the receivers' CURVE public key (Z85): every push is then
+        encrypted and authenticated, and reaches only a receiver holding its secret key.
+    :param curve_server_keys: per-URL receiver keys, winning over ``curve_server_key``.
+        With CURVE on, a push to a URL without a key fails: nothing goes out in the clear.
     """
 
     def __init__(
@@ -116,6 +133,10 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         release_timeout_s: float = 5.0,
         copy_below_bytes: int = DEFAULT_COPY_BELOW_BYTES,
         immediate: bool = True,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_endpoints: int = DEFAULT_MAX_ENDPOINTS,
+        curve_server_key: str | bytes | None = None,
+        curve_server_keys: Mapping[str, str | bytes] | None = None,
     ) -> None:
         if not send_timeout_s > 0:
             raise ValueError(f"send_timeout_s must be > 0; got {send_timeout_s!r}")
@@ -123,6 +144,13 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             raise ValueError(f"sndhwm must be an int >= 1; got {sndhwm!r}")
         if type(copy_below_bytes) is not int or copy_below_bytes < 0:
             raise ValueError(f"copy_below_bytes must be an int >= 0; got {copy_below_bytes!r}")
+        if not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0; got {idle_timeout_s!r}")
+        if type(max_endpoints) is not int or max_endpoints < 1:
+            raise ValueError(f"max_endpoints must be an int >= 1; got {max_endpoints!r}")
+        self._curve = CurveClient.create(curve_server_key, curve_server_keys)
+        self._idle_timeout_s = idle_timeout_s
+        self._max_endpoints = max_endpoints
         self._send_timeout_s = send_timeout_s
         self._sndhwm = sndhwm
         self._release_timeout_s = release_timeout_s
@@ -193,7 +221,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             while the message was queued, or if the pool is (or gets) closed.
         """
         head = encode_header(header)
-        _check_payload(header, payload)
+        check_payload(header, payload)
         what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
         if self._closed:
             raise TransferError(f"{what}: the push pool is closed", req_id=header.req_id)
@@ -240,8 +268,9 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             or not cast(int, connection.socket.getsockopt(zmq.EVENTS)) & zmq.POLLOUT
         ):
             return False
-        _check_payload(header, payload)
+        check_payload(header, payload)
         what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
+        connection.used = True
         try:
             return self._queue(connection, encode_header(header), payload, what) is not None
         except TransferError as exc:
@@ -273,11 +302,40 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[ZmqPushPool]:
-        """Entering is not a checkpoint; exiting is :meth:`aclose`."""
+        """Entering starts the idle sweep (not a checkpoint); exiting is :meth:`aclose`."""
         try:
-            yield self
+            with collapse_single_error():
+                async with anyio.create_task_group() as sweeper:
+                    sweeper.start_soon(self._close_idle_connections)
+                    try:
+                        yield self
+                    finally:
+                        sweeper.cancel_scope.cancel()
         finally:
             await self.aclose()
+
+    async def _close_idle_connections(self) -> None:
+        # A timer, not a poll: one wake-up per idle_timeout_s, ended by the pool's exit.
+        never = anyio.Event()
+        while True:
+            with anyio.move_on_after(self._idle_timeout_s):
+                await never.wait()
+            self.close_idle()
+
+    def close_idle(self) -> int:
+        """Close every socket nothing was queued on since the last call and no send uses.
+
+        Not a checkpoint; returns how many it closed. Inside ``async with`` the pool calls
+        it every ``idle_timeout_s``.
+        """
+        closed = 0
+        for connection in list(self._connections.values()):
+            if connection.used:
+                connection.used = False
+            elif _idle(connection):
+                self._evict(connection)
+                closed += 1
+        return closed
 
     async def _send(
         self,
@@ -291,19 +349,27 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         tracker: zmq.MessageTracker | None = None
         while tracker is None:
             connection = self._connect(url, what)
-            async with connection.lock:
-                try:
+            connection.users += 1
+            try:
+                async with connection.lock:
                     while tracker is None and not connection.broken:
                         await _wait_room(connection)
                         tracker = self._queue(connection, head, payload, what)
-                except anyio.ClosedResourceError:
-                    # Another send's failure evicted the socket while this one waited for
-                    # room; nothing of this message was queued: retry on a fresh socket.
-                    continue
-                except zmq.ZMQError as exc:
-                    self._evict(connection)
-                    raise TransferError(f"{what} failed: {exc}") from exc
-        await self._wait_released(connection, tracker, what, on_still_held)
+            except anyio.ClosedResourceError:
+                # Another send's failure evicted the socket while this one waited for
+                # room; nothing of this message was queued: retry on a fresh socket.
+                continue
+            except zmq.ZMQError as exc:
+                self._evict(connection)
+                raise TransferError(f"{what} failed: {exc}") from exc
+            finally:
+                if tracker is None:
+                    connection.users -= 1
+        connection.used = True
+        try:
+            await self._wait_released(connection, tracker, what, on_still_held)
+        finally:
+            connection.users -= 1
 
     def _queue(
         self, connection: _Connection, head: bytes, payload: memoryview | None, what: str
@@ -365,10 +431,17 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             return connection
         if self._closed:
             raise TransferError(f"{what}: the push pool is closed")
+        server_key = None if self._curve is None else self._curve.server_key_for(url)
+        if self._curve is not None and server_key is None:
+            raise TransferError(f"{what}: no CURVE key is configured for {url}")
+        if len(self._connections) >= self._max_endpoints:
+            self._make_room()
         if self._context is None:
             self._context = zmq.Context()
         sock = self._context.socket(zmq.PUSH)
         try:
+            if self._curve is not None and server_key is not None:
+                self._curve.secure(sock, server_key)
             # Linger 0: a message still queued at close is dropped, never waited for. By
             # then its send has either seen the payload handed over or is failing anyway.
             sock.setsockopt(zmq.LINGER, 0)
@@ -389,6 +462,15 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         self._connections[url] = connection
         return connection
 
+    def _make_room(self) -> None:
+        # Close the least recently used socket no send uses (one idle for a sweep first).
+        candidates = [c for c in self._connections.values() if _idle(c)]
+        if not candidates:
+            candidates = [c for c in self._connections.values() if c.users == 0]
+        if candidates:
+            # Dicts keep insertion order: the first connected goes first.
+            self._evict(next((c for c in candidates if not c.used), candidates[0]))
+
     def _evict(self, connection: _Connection) -> None:
         if connection.broken:
             return
@@ -400,21 +482,6 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         connection.socket.close(linger=0)
 
 
-def _check_payload(header: EmbeddingHeader, payload: memoryview | None) -> None:
-    where = f"req_id {header.req_id!r} part {header.part_idx}"
-    if header.error is not None:
-        if payload is not None:
-            raise BadRequestError(
-                f"error part of {where} must have no payload", req_id=header.req_id
-            )
-        return
-    if payload is None:
-        raise BadRequestError(f"payload of {where} is missing", req_id=header.req_id)
-    if not payload.c_contiguous:
-        raise BadRequestError(f"payload of {where} is not C-contiguous", req_id=header.req_id)
-    if payload.nbytes != payload_nbytes(header):
-        raise BadRequestError(
-            f"payload of {where} is {payload.nbytes} bytes; shape {list(header.shape)} of "
-            f"{header.dtype} needs {payload_nbytes(header)}",
-            req_id=header.req_id,
-        )
+def _idle(connection: _Connection) -> bool:
+    """No send uses the socket and nothing was queued on it since the last sweep."""
+    return connection.users == 0 and not connection.used and not connection.lock.locked()

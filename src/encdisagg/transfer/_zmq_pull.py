@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
-from typing import Any, cast, final
+from typing import Any, Final, cast, final
 
 import anyio
 import anyio.lowlevel
@@ -22,8 +22,12 @@ from .._errors import BadRequestError, TransferError
 from ..nurseries import run_thread_to_completion
 from ._wire import MAX_HEADER_BYTES, EmbeddingHeader, decode_header, tensor_from_frame
 from ._zmq import wait_events
+from ._zmq_curve import curve_key, require_curve, secure_server
 
-__all__ = ["ReceivedPart", "ZmqReceiver"]
+__all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "ReceivedPart", "ZmqReceiver"]
+
+#: The default bound on one payload frame: larger ones are refused before ZMQ buffers them.
+DEFAULT_MAX_PAYLOAD_BYTES: Final = 128 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
@@ -47,25 +51,38 @@ class ZmqReceiver(anyio.AsyncContextManagerMixin):
     in :meth:`receive` then gets :class:`anyio.ClosedResourceError`.
 
     :param bind: the endpoint to bind; port 0 picks a free port.
-    :param max_payload_bytes: reject larger payloads; ZMQ drops the connection of a peer
-        that sends a larger frame before it is buffered. No limit if omitted.
+    :param max_payload_bytes: the largest frame taken (``ZMQ_MAXMSGSIZE``): ZMQ reads a
+        frame's size before its bytes and drops the connection of a peer that announces a
+        larger one, so such a frame is never buffered. ``None``: no limit.
     :param max_queued_messages: the receive high-water mark: how many messages ZMQ buffers
-        ahead of :meth:`receive` before senders wait.
+        ahead of :meth:`receive` (per sender) before that sender waits.
     :param context: a plain (blocking) ``zmq.Context``; a private one if omitted.
+    :param curve_secret_key: this receiver's CURVE secret key (Z85): it then binds as a
+        CURVE server, and only senders holding its public key (:attr:`curve_public_key`)
+        complete the handshake; every message is encrypted and authenticated.
     """
 
     def __init__(
         self,
         bind: str = "tcp://127.0.0.1:0",
         *,
-        max_payload_bytes: int | None = None,
+        max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
         max_queued_messages: int = 16,
         context: zmq.Context[Any] | None = None,
+        curve_secret_key: str | bytes | None = None,
     ) -> None:
         if max_payload_bytes is not None and (
             type(max_payload_bytes) is not int or max_payload_bytes < 0
         ):
             raise ValueError(f"max_payload_bytes must be an int >= 0; got {max_payload_bytes!r}")
+        self._curve_secret = None
+        if curve_secret_key is not None:
+            require_curve()
+            self._curve_secret = curve_key(curve_secret_key, "curve_secret_key")
+        #: The key senders need to reach this receiver (Z85), with CURVE; else ``None``.
+        self.curve_public_key: bytes | None = (
+            None if self._curve_secret is None else zmq.curve_public(self._curve_secret)
+        )
         self._bind = bind
         self._max_payload_bytes = max_payload_bytes
         self._max_queued = max_queued_messages
@@ -147,6 +164,8 @@ class ZmqReceiver(anyio.AsyncContextManagerMixin):
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, self._max_queued)
+            if self._curve_secret is not None:
+                secure_server(sock, self._curve_secret)
             if self._max_payload_bytes is not None:
                 sock.setsockopt(zmq.MAXMSGSIZE, max(self._max_payload_bytes, MAX_HEADER_BYTES))
             sock.bind(self._bind)
