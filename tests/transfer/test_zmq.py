@@ -432,11 +432,41 @@ async def test_a_zero_copy_send_returns_once_zmq_released_the_payload(
         assert outcome == [True]
         assert part.tensor is not None
         assert torch.equal(part.tensor, tensor)
-        # One thread waited for the release: no polling, no second hop.
+        # The payload view's finalizer woke the send: no polling, no worker thread.
+        assert _release_waits(thread_calls) == 0
+
+
+async def test_a_send_still_held_after_the_grace_waits_for_the_release_in_one_thread(
+    tracking: _TrackingContext,
+    thread_calls: list[Callable[..., Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A grace of 0: the finalizer's wake-up is not waited for, as for a receiver that is slow
+    # for longer than the grace. One worker thread then waits on the tracker.
+    monkeypatch.setattr("encdisagg.transfer._zmq_release._SIGNAL_GRACE_S", 0)
+    url = _free_tcp_url()
+    tensor = torch.randn(TRACKED, 16).half()
+    outcome: list[bool] = []
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
+
+        async def send() -> None:
+            await pool.send(url, _header("r", TRACKED), payload_view(tensor))
+            outcome.append(tracking.trackers[0].done)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)
+                await anyio.wait_all_tasks_blocked()
+                assert outcome == []
+                async with ZmqReceiver(url) as rx:
+                    part = await rx.receive()
+        assert outcome == [True]
+        assert part.tensor is not None
+        assert torch.equal(part.tensor, tensor)
         assert _release_waits(thread_calls) == 1
 
 
-async def test_a_cancelled_zero_copy_send_waits_for_the_release_in_the_same_thread(
+async def test_a_cancelled_zero_copy_send_returns_only_after_the_release(
     tracking: _TrackingContext, thread_calls: list[Callable[..., Any]]
 ) -> None:
     payload = torch.ones(TRACKED, 16, dtype=torch.float16)
@@ -457,7 +487,7 @@ async def test_a_cancelled_zero_copy_send_waits_for_the_release_in_the_same_thre
                 tg.cancel_scope.cancel()
         assert returned == [True]
         assert pool.endpoints == frozenset()
-        assert _release_waits(thread_calls) == 1
+        assert _release_waits(thread_calls) == 0
 
 
 async def test_a_small_payload_is_copied_and_its_buffer_free_at_once(

@@ -121,12 +121,15 @@ class StagingArena:
     when no block is free; :meth:`view` shows a block as a tensor.
     """
 
-    __slots__ = ("_allocator", "buffer", "ptr")
+    __slots__ = ("_allocator", "buffer", "device", "is_cuda", "ptr")
 
     def __init__(self, capacity: int, device: torch.device, *, min_block: int = 4096) -> None:
         self._allocator = BuddyAllocator(capacity, min_block=min_block)
         self.buffer = torch.empty(self._allocator.capacity, dtype=torch.uint8, device=device)
         self.ptr = int(self.buffer.data_ptr())
+        # Read on every staging: plain attributes, not torch property calls.
+        self.device = self.buffer.device
+        self.is_cuda = self.buffer.is_cuda
 
     @property
     def capacity(self) -> int:
@@ -136,16 +139,17 @@ class StagingArena:
     def allocated(self) -> int:
         return self._allocator.allocated
 
-    def stage(self, tensor: torch.Tensor) -> int | None:
-        """Copy ``tensor`` into a free block: the block's offset, or None when no block is
-        free or the tensor lives on another device."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if tensor.device != self.buffer.device:
+    def stage(self, tensor: torch.Tensor, nbytes: int | None = None) -> int | None:
+        """Copy ``tensor`` (of ``nbytes``, if the caller knows) into a free block: the
+        block's offset, or None when no block is free or the tensor lives elsewhere."""
+        if nbytes is None:
+            nbytes = tensor.numel() * tensor.element_size()
+        if tensor.device != self.device:
             return None
         offset = self._allocator.alloc(nbytes)
         if offset is None:
             return None
-        if tensor.is_cuda or not tensor.is_contiguous():
+        if self.is_cuda or not tensor.is_contiguous():
             self.view(offset, nbytes, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
         else:
             # Host to host: one memmove instead of three views and a torch copy.

@@ -32,7 +32,7 @@ from .._errors import (
     RequestTimeoutError,
 )
 from ..models import Preprocessed
-from ..nurseries import KeyedWakeups, ServiceTaskGroup
+from ..nurseries import KeyedWakeups, ServiceTaskGroup, loop_clock
 from ._budget import StagedBudget
 from ._compute import ComputePath
 from ._deadlines import DeadlineKeeper
@@ -79,8 +79,10 @@ class RequestLifecycle:
         pushes: ServiceTaskGroup,
     ) -> None:
         self.config = config
+        # The loop's clock, read without AnyIO's backend lookup on every call.
+        self._now = now = loop_clock()
         self.table = RequestTable(
-            anyio.current_time,
+            now,
             remember_s=config.request_timeout_s,
             abandon_ttl_s=config.abandon_ttl_s,
         )
@@ -141,8 +143,8 @@ class RequestLifecycle:
             hidden_size=hidden,
             dtype=dtype,
             nbytes=num_tokens * hidden * itemsize,
-            token_counts=tuple(int(n) for n in pre.token_counts),
-            grid=tuple(tuple(int(v) for v in g) for g in pre.grid),
+            token_counts=tuple(map(int, pre.token_counts)),
+            grid=tuple([tuple(map(int, g)) for g in pre.grid]),
         )
         self.wakeups.wake(record.req_id)
 
@@ -182,7 +184,7 @@ class RequestLifecycle:
         record = self.table.admit(request)
         self.wakeups.wake(request.req_id)
         on_done = self._events.on_request_done
-        started = 0.0 if on_done is None else anyio.current_time()
+        started = 0.0 if on_done is None else self._now()
         status = "error"
         try:
             with Job(record, self.free) as job:
@@ -215,7 +217,7 @@ class RequestLifecycle:
             return result
         finally:
             if on_done is not None:
-                on_done(request.kind.value, status, anyio.current_time() - started)
+                on_done(request.kind.value, status, self._now() - started)
 
     async def _encode_job(self, job: Job) -> EncodeResult:
         record = job.record
@@ -233,7 +235,9 @@ class RequestLifecycle:
             rows.dtype != compute.model.dtype
         ):
             _fail_layout(rows, metadata)
-        staged = self._regions.stage(record.req_id, rows.detach(), copy=from_cache)
+        if rows.requires_grad:
+            rows = rows.detach()
+        staged = self._regions.stage(record.req_id, rows, copy=from_cache)
         record.staged = staged
         if staged.is_cuda:
             # The forward and the copy into the arena may still be queued on the device:
@@ -242,7 +246,7 @@ class RequestLifecycle:
         if not staged.transferable:
             await self._regions.register_own(record.req_id, staged)
         record.phase = Phase.STAGED
-        record.deadline = anyio.current_time() + self.config.send_timeout_s
+        record.deadline = self._now() + self.config.send_timeout_s
         self.deadlines.add(record)
         self.wakeups.wake(record.req_id)
         for url in record.push_urls:
@@ -286,7 +290,7 @@ class RequestLifecycle:
         identity = destination.identity
         if record.release_requested and identity not in record.delivered:
             raise _released(record.req_id)
-        start = anyio.current_time() if self._events.on_phase is not None else 0.0
+        start = self._now() if self._events.on_phase is not None else 0.0
         self.inflight += 1
         try:
             if isinstance(destination, MooncakeDestination):
@@ -296,7 +300,7 @@ class RequestLifecycle:
         finally:
             self.inflight -= 1
         if self._events.on_phase is not None:
-            self._events.phase("transfer", anyio.current_time() - start)
+            self._events.phase("transfer", self._now() - start)
         record.note_delivered(identity, self.config.default_receive_count)
 
     async def _wait_staged(self, record: RequestRecord) -> None:

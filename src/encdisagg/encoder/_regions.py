@@ -138,7 +138,7 @@ class RegionOwner:
         self._budget.reserve(req_id, nbytes)
         arena = self.arena
         if arena is not None and self._arena_registered:
-            offset = arena.stage(tensor)
+            offset = arena.stage(tensor, nbytes)
             if offset is not None:
                 return Staged(
                     nbytes,

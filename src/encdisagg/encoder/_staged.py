@@ -57,7 +57,7 @@ class Staged:
         if self.own is not None:
             return self.own.is_cuda
         assert self.arena is not None
-        return self.arena.buffer.is_cuda
+        return self.arena.is_cuda
 
     @property
     def transferable(self) -> bool:

@@ -21,7 +21,7 @@ from .._errors import TransferError
 from ..nurseries import collapse_single_error, run_thread_to_completion
 from ._wire import EmbeddingHeader, check_payload, encode_header
 from ._zmq_curve import CurveClient
-from ._zmq_release import wait_released
+from ._zmq_release import send_signalled, wait_released
 
 __all__ = ["ZmqPushPool", "wait_events"]
 
@@ -393,7 +393,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             if payload.nbytes < self._copy_below_bytes:
                 sock.send(payload, zmq.NOBLOCK, copy=True)
                 return _NOTHING_HELD
-            return sock.send(payload, zmq.NOBLOCK, copy=False, track=True)
+            return send_signalled(sock, payload, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             # Half a message may sit in the queue: the socket can never be used again.
             self._evict(connection)

@@ -1,9 +1,15 @@
 """Waiting, without polling, for ZMQ to let go of a zero-copy frame.
 
-pyzmq reports a released frame from its garbage-collector thread, which sets the
-``threading.Event`` behind the frame's :class:`zmq.MessageTracker`; no event loop can await
-that. One worker thread per tracked send therefore blocks in ``tracker.wait()``, and its
-return wakes the send. The thread touches nothing but that event, never the frame's memory,
+pyzmq reports a released frame from its garbage-collector thread: that thread sets the
+``threading.Event`` behind the frame's :class:`zmq.MessageTracker`, then drops its reference
+to the buffer object the frame was made from. No event loop can await the event, but the
+buffer object's finalizer runs in that same thread right after it was set: a frame sent by
+:func:`send_signalled` is made from a fresh view whose finalizer wakes the loop through a
+:class:`~encdisagg.nurseries.ThreadSafeEvent`, so the common case costs no worker thread at
+all. The tracker stays the authority: a wake-up is believed only if the tracker says done,
+and a frame not released within a short grace period (a slow receiver; or a pyzmq that kept
+its reference longer) is waited for as any other, by one worker thread blocking in
+``tracker.wait()``. That thread touches nothing but the event, never the frame's memory,
 so abandoning it is safe; the caller keeps the payload referenced until the release anyway.
 """
 
@@ -11,17 +17,50 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable
+from typing import Any, Final
 
 import anyio
 import anyio.to_thread
 import zmq
 
 from .._errors import TransferError
+from ..nurseries import ThreadSafeEvent
 
-__all__ = ["wait_released"]
+__all__ = ["SignalledTracker", "send_signalled", "wait_released"]
 
 logger = logging.getLogger(__name__)
+
+# How long a send waits for the finalizer's wake-up before it also starts a worker thread on
+# the tracker: far longer than a loopback send of 64 MiB, far shorter than any send bound.
+_SIGNAL_GRACE_S: Final = 1.0
+
+
+class SignalledTracker(zmq.MessageTracker):
+    """A frame's tracker, plus the event its buffer's finalizer sets (see the module)."""
+
+    def __init__(self, tracker: zmq.MessageTracker, released: ThreadSafeEvent) -> None:
+        super().__init__(tracker)
+        self.released = released
+
+
+def send_signalled(sock: zmq.Socket[Any], payload: memoryview, flags: int) -> zmq.MessageTracker:
+    """Send ``payload`` zero-copy and tracked, as ``sock.send(payload, flags, copy=False,
+    track=True)``; the tracker returned also wakes :func:`wait_released` without a thread.
+    Not a checkpoint; call it on the event loop."""
+    released = ThreadSafeEvent()
+    # Our own view: nothing but pyzmq holds it once the send returned, so its finalizer
+    # runs when pyzmq drops it. (The caller's payload object lives on.)
+    view = memoryview(payload)
+    weakref.finalize(view, released.set_from_thread)
+    tracker = sock.send(view, flags, copy=False, track=True)
+    del view
+    return SignalledTracker(tracker, released)
+
+
+def _released(tracker: zmq.MessageTracker) -> bool:
+    return tracker.done
 
 
 def _block_until_released(tracker: zmq.MessageTracker, bound_s: float) -> None:
@@ -41,8 +80,10 @@ async def wait_released(
 ) -> None:
     """Return once ZMQ no longer references the frame ``tracker`` tracks.
 
-    Returns at once, without a checkpoint, if it was released already; otherwise it waits in
-    one worker thread (taken from ``limiter``), at most ``thread_bound_s``.
+    Returns at once, without a checkpoint, if it was released already. A
+    :class:`SignalledTracker` is then awaited on the loop alone for up to a second; any
+    other tracker (or one still held after that) in one worker thread (taken from
+    ``limiter``), at most ``thread_bound_s``.
 
     If the caller is cancelled meanwhile, ``drop()`` (which must make ZMQ let go, e.g. by
     closing the socket with linger 0) is called, the wait goes on in the same thread,
@@ -56,6 +97,17 @@ async def wait_released(
     """
     if tracker.done:
         return
+    if isinstance(tracker, SignalledTracker):
+        try:
+            with anyio.move_on_after(_SIGNAL_GRACE_S):
+                await tracker.released.wait()
+        except BaseException:
+            await _drop_and_wait(tracker, tracker.released, what, drop, drop_bound_s)
+            if not tracker.done and on_still_held is not None:
+                on_still_held()
+            raise
+        if _released(tracker):  # a wake-up is believed only if the tracker agrees
+            return
     released = anyio.Event()
     # Shielded, so that a cancelled caller goes on waiting on this same thread after drop();
     # cancelled (abandoning the thread) only once that bounded wait is over.
@@ -77,21 +129,32 @@ async def wait_released(
         try:
             await released.wait()
         except BaseException:
-            drop()
-            with anyio.move_on_after(drop_bound_s, shield=True):
-                await released.wait()
+            await _drop_and_wait(tracker, released, what, drop, drop_bound_s)
             watch_scope.cancel()
-            if not tracker.done:
-                logger.error(
-                    "%s: ZMQ still references the payload %s s after its socket was closed",
-                    what,
-                    drop_bound_s,
-                )
-                if on_still_held is not None:
-                    on_still_held()
+            if not tracker.done and on_still_held is not None:
+                on_still_held()
             raise
     if not tracker.done:
         drop()
         if on_still_held is not None:
             on_still_held()
         raise TransferError(f"{what}: ZMQ did not release the payload within {thread_bound_s} s")
+
+
+async def _drop_and_wait(
+    tracker: zmq.MessageTracker,
+    released: anyio.Event | ThreadSafeEvent,
+    what: str,
+    drop: Callable[[], None],
+    drop_bound_s: float,
+) -> None:
+    """The send gives up: make ZMQ let go, and wait (shielded, bounded) until it did."""
+    drop()
+    with anyio.move_on_after(drop_bound_s, shield=True):
+        await released.wait()
+    if not tracker.done:
+        logger.error(
+            "%s: ZMQ still references the payload %s s after its socket was closed",
+            what,
+            drop_bound_s,
+        )
