@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from .._errors import EncdisaggError, NotFoundError, RequestNotActiveError
 from ._types import EncodeRequest, EncodeResult
@@ -124,6 +125,21 @@ class RequestRecord:
 class _Retired:
     expires_at: float
     error: EncdisaggError | None
+    #: What remembering this entry costs (see :func:`_cost`).
+    nbytes: int
+
+
+#: Bytes a remembered id costs beyond its text: the dict slot, the entry, the error object.
+_ENTRY_OVERHEAD: Final = 256
+
+
+def _cost(req_id: str, error: EncdisaggError | None) -> int:
+    """What remembering ``req_id`` (and ``error``) holds, in bytes; an estimate, but one
+    that grows with the client's text (the id, the message quoting it)."""
+    cost = _ENTRY_OVERHEAD + sys.getsizeof(req_id)
+    if error is not None:
+        cost += sys.getsizeof(error.message)
+    return cost
 
 
 class RequestTable:
@@ -134,6 +150,9 @@ class RequestTable:
         and to give late metadata waiters its error).
     :param abandon_ttl_s: how long an ``abandon`` of an id not seen yet is remembered.
     :param limit: at most this many ended and abandoned ids each are remembered.
+    :param byte_limit: at most this many bytes (ids and error messages, see
+        :attr:`remembered_bytes`) each are remembered; the oldest go first, and an entry
+        larger than this on its own is not remembered at all.
     """
 
     def __init__(
@@ -143,14 +162,40 @@ class RequestTable:
         remember_s: float,
         abandon_ttl_s: float,
         limit: int = 10_000,
+        byte_limit: int = 16 * 1024 * 1024,
     ) -> None:
         self._clock = clock
         self._remember_s = remember_s
         self._abandon_ttl_s = abandon_ttl_s
         self._limit = limit
+        self._byte_limit = byte_limit
         self.live: dict[str, RequestRecord] = {}
         self._retired: OrderedDict[str, _Retired] = OrderedDict()
         self._abandoned: OrderedDict[str, float] = OrderedDict()
+        # Invariant: the sums of _cost over _retired and over _abandoned (error None).
+        self._retired_bytes = 0
+        self._abandoned_bytes = 0
+
+    @property
+    def remembered(self) -> int:
+        """Ended and abandoned ids remembered now. Not a checkpoint."""
+        return len(self._retired) + len(self._abandoned)
+
+    @property
+    def remembered_bytes(self) -> int:
+        """What the remembered ids and their errors hold, in bytes (an estimate)."""
+        return self._retired_bytes + self._abandoned_bytes
+
+    def _forget_retired(self, req_id: str) -> None:
+        entry = self._retired.pop(req_id, None)
+        if entry is not None:
+            self._retired_bytes -= entry.nbytes
+
+    def _forget_abandoned(self, req_id: str) -> bool:
+        if self._abandoned.pop(req_id, None) is None:
+            return False
+        self._abandoned_bytes -= _cost(req_id, None)
+        return True
 
     def __len__(self) -> int:
         return len(self.live)
@@ -163,15 +208,23 @@ class RequestTable:
         retired = self._retired
         while retired:
             key, entry = next(iter(retired.items()))
-            if entry.expires_at > now and len(retired) <= self._limit:
+            if (
+                entry.expires_at > now
+                and len(retired) <= self._limit
+                and self._retired_bytes <= self._byte_limit
+            ):
                 break
-            del retired[key]
+            self._forget_retired(key)
         abandoned = self._abandoned
         while abandoned:
             key, expires_at = next(iter(abandoned.items()))
-            if expires_at > now and len(abandoned) <= self._limit:
+            if (
+                expires_at > now
+                and len(abandoned) <= self._limit
+                and self._abandoned_bytes <= self._byte_limit
+            ):
                 break
-            del abandoned[key]
+            self._forget_abandoned(key)
 
     def admit(self, request: EncodeRequest) -> RequestRecord:
         """Start a fresh lifecycle for ``request.req_id``.
@@ -184,13 +237,13 @@ class RequestTable:
             raise RequestNotActiveError(f"req_id {req_id!r} is live already", req_id=req_id)
         if self._abandoned:
             self._prune()
-            if self._abandoned.pop(req_id, None) is not None:
+            if self._forget_abandoned(req_id):
                 self._remember(req_id, None)
                 raise RequestNotActiveError(
                     f"req_id {req_id!r} was abandoned before its encode", req_id=req_id
                 )
         # A reused id starts afresh: forget what its previous lifecycle left behind.
-        self._retired.pop(req_id, None)
+        self._forget_retired(req_id)
         record = RequestRecord(request)
         self.live[req_id] = record
         return record
@@ -230,12 +283,15 @@ class RequestTable:
 
     def _remember(self, req_id: str, error: EncdisaggError | None) -> None:
         retired = self._retired
-        if req_id in retired:
-            retired.move_to_end(req_id)
-        retired[req_id] = _Retired(self._clock() + self._remember_s, error)
-        if len(retired) > self._limit:
-            # Full: the oldest goes (entries are in expiry order, all with one lifetime).
-            retired.popitem(last=False)
+        self._forget_retired(req_id)
+        cost = _cost(req_id, error)
+        if cost > self._byte_limit:
+            return
+        retired[req_id] = _Retired(self._clock() + self._remember_s, error, cost)
+        self._retired_bytes += cost
+        while len(retired) > self._limit or self._retired_bytes > self._byte_limit:
+            # Full: the oldest go (entries are in expiry order, all with one lifetime).
+            self._forget_retired(next(iter(retired)))
 
     def abandon(self, req_id: str) -> RequestRecord | None:
         """Mark ``req_id`` for release: the live record to release, else None.
@@ -249,10 +305,13 @@ class RequestTable:
             return record
         if self.ended(req_id):
             return None
-        self._abandoned[req_id] = self._clock() + self._abandon_ttl_s
-        self._abandoned.move_to_end(req_id)
-        if len(self._abandoned) > self._limit:
-            self._prune()
+        cost = _cost(req_id, None)
+        self._forget_abandoned(req_id)
+        if cost <= self._byte_limit:
+            self._abandoned[req_id] = self._clock() + self._abandon_ttl_s
+            self._abandoned_bytes += cost
+            if len(self._abandoned) > self._limit or self._abandoned_bytes > self._byte_limit:
+                self._prune()
         return None
 
     def abandoned(self, req_id: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import tomllib
@@ -22,6 +23,7 @@ import anyio.abc
 from .._config import EncoderConfig
 from .._errors import BadRequestError
 from ..models import BUILTIN_MODELS
+from ._access import is_loopback_host
 from ._app import create_app
 from ._backend import SERVER_MODELS
 from ._runner import serve
@@ -55,6 +57,8 @@ SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {
     "log_level": str,
     "max_body_mb": int,
     "health_timeout_s": (int, float),
+    "api_key": str,
+    "allowed_peers": list,
 }
 _DEFAULTS: Final[dict[str, Any]] = {
     "host": "127.0.0.1",
@@ -66,6 +70,8 @@ _DEFAULTS: Final[dict[str, Any]] = {
     "health_timeout_s": 20.0,
 }
 _LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+#: The environment variable ``--api-key`` falls back to (keeps the key out of ``ps``).
+API_KEY_ENV: Final = "ENCDISAGG_API_KEY"
 
 
 class UsageError(Exception):
@@ -153,8 +159,11 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
         raise UsageError(
             f"--model: {model!r} is neither a built-in model ({known}) nor a checkpoint folder"
         )
+    api_key, allowed_peers = _access_options(args, server)
     try:
         settings = ServerSettings(
+            api_key=api_key,
+            allowed_peers=allowed_peers,
             dp=options["dp"],
             max_body_bytes=options["max_body_mb"] * _MIB
             if isinstance(options["max_body_mb"], int) and options["max_body_mb"] > 0
@@ -163,7 +172,13 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             worker_log_level=str(options["log_level"]).lower(),
         )
     except BadRequestError as exc:
-        flags = {"dp": "--dp", "max_body_bytes": "--max-body-mb", "health": "--health-timeout"}
+        flags = {
+            "dp": "--dp",
+            "max_body_bytes": "--max-body-mb",
+            "health": "--health-timeout",
+            "api_key": "--api-key",
+            "allowed_peers": "--allowed-peers",
+        }
         flag = next((f for key, f in flags.items() if exc.message.startswith(key)), "")
         raise UsageError(f"{flag}: {exc.message}" if flag else exc.message) from None
     return ServeOptions(
@@ -174,6 +189,36 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
         options["worker_class"],
         str(options["log_level"]).lower(),
     )
+
+
+def _access_options(
+    args: argparse.Namespace, server: dict[str, Any]
+) -> tuple[str | None, tuple[str, ...] | None]:
+    """The API key (``--api-key``, else ``$ENCDISAGG_API_KEY``, else ``server.api_key``) and
+    the allowed peers (``--allowed-peers a,b``, else ``server.allowed_peers``)."""
+    api_key = getattr(args, "api_key", None)
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or server.get("api_key")
+    peers: Any = getattr(args, "allowed_peers", None)
+    if isinstance(peers, str):
+        peers = [entry.strip() for entry in peers.split(",") if entry.strip()]
+    elif peers is None:
+        peers = server.get("allowed_peers")
+    return api_key, None if peers is None else tuple(peers)
+
+
+def warn_if_exposed(host: str, settings: ServerSettings) -> bool:
+    """Log a warning if ``host`` is reachable from other machines and no API key is set;
+    whether it warned. Not async."""
+    if settings.api_key is not None or is_loopback_host(host):
+        return False
+    _log.warning(
+        "serving on %s without an API key: anyone who can reach this port may encode, send "
+        "and release any request; set --api-key or %s",
+        host,
+        API_KEY_ENV,
+    )
+    return True
 
 
 async def _watch_signals(
@@ -230,6 +275,7 @@ def run_serve(args: argparse.Namespace) -> int:
         level=options.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    warn_if_exposed(options.host, options.settings)
     try:
         anyio.run(_main, options, backend=options.worker_class)
     except OSError as exc:

@@ -89,6 +89,8 @@ _GAUGES: Final = {
     "global_cache_breaker_open": (
         "Encoders whose global-cache breaker is open, skipping the store (0 or 1 each)."
     ),
+    "retired_ids": "Ended and abandoned request ids remembered (to answer 409 and late waiters).",
+    "retired_bytes": "Bytes the remembered ended and abandoned ids and their errors hold.",
 }
 _CACHE_COUNTERS: Final = {
     "hits": "Prefix cache lookups that found an embedding.",
@@ -103,8 +105,11 @@ _CACHE_COUNTERS: Final = {
     "global_insert_failures": "Global cache inserts that failed.",
 }
 
-#: What EncoderStats and the local PrefixCache report (the rest comes from the global tier).
-_ENCODER_GAUGES: Final = tuple(name for name in _GAUGES if not name.startswith("global_"))
+#: What EncoderStats and the local PrefixCache report (the rest comes from the global tier
+#: and the request table).
+_ENCODER_GAUGES: Final = tuple(
+    name for name in _GAUGES if not name.startswith(("global_", "retired_"))
+)
 _LOCAL_CACHE: Final = tuple(name for name in _CACHE_COUNTERS if not name.startswith("global_"))
 
 #: Set in a health probe's task (and inherited by the tasks it starts): its encode is not a
@@ -171,6 +176,7 @@ class EncoderMetrics:
         if encoder is not None:
             stats = encoder.stats()
             gauges.update({name: int(getattr(stats, name)) for name in _ENCODER_GAUGES})
+            gauges["retired_ids"], gauges["retired_bytes"] = _remembered(encoder)
             cache_stats = encoder.cache.stats()
             cache.update({name: int(getattr(cache_stats, name)) for name in _LOCAL_CACHE})
             global_stats = encoder.global_cache_stats()
@@ -185,6 +191,17 @@ class EncoderMetrics:
             gauges=gauges,
             cache=cache,
         )
+
+
+def _remembered(encoder: Encoder) -> tuple[int, int]:
+    """The ended and abandoned ids ``encoder``'s request table remembers, and their bytes."""
+    # EncoderStats has no field for these yet; the table is reached through the lifecycle
+    # (absent from stand-ins that only offer stats()).
+    lifecycle = getattr(encoder, "_lifecycle", None)
+    if lifecycle is None:
+        return 0, 0
+    table = lifecycle.table
+    return table.remembered, table.remembered_bytes
 
 
 @dataclass(frozen=True)
