@@ -9,7 +9,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import struct
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -20,6 +25,7 @@ import pytest
 import torch
 import zmq
 import zmq.utils.monitor
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from encdisagg import BadRequestError, EncoderConfig, Modality, TransferError
 from encdisagg.receiver import EmbeddingReceiver, PartMetadata, PartPlan, RequestPlan
@@ -30,6 +36,7 @@ from encdisagg.transfer import (
     encode_header,
     payload_view,
 )
+from encdisagg.transfer._mooncake_listen import keep_listeners_to_host, socket_inodes
 
 pytestmark = pytest.mark.anyio
 
@@ -330,3 +337,94 @@ def test_curve_keys_are_checked_without_being_shown() -> None:
     assert options["curve_server_keys"] == {"tcp://127.0.0.1:5555": public.encode()}
     with pytest.raises(BadRequestError, match="curve_secret_key"):
         ZmqReceiver(curve_secret_key=b"short")
+
+
+# -- Mooncake listens only on its host ---------------------------------------------------------
+
+
+def _listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """The TCP addresses process ``pid`` listens on, as ``ss -ltnp`` would list them."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as lines:
+            next(lines)
+            for line in lines:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                    continue
+                address_hex, port_hex = local.split(":")
+                # /proc/net/tcp* print each 32-bit word of the address in host order.
+                packed = b"".join(
+                    struct.pack("<I", int(address_hex[i : i + 8], 16))
+                    for i in range(0, len(address_hex), 8)
+                )
+                found.append((socket.inet_ntop(family, packed), int(port_hex, 16)))
+    return found
+
+
+def _connects(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_serve_with_mooncake_answers_only_on_its_loopback_host() -> None:
+    command = [
+        sys.executable, "-m", "encdisagg", "serve", "--host", "127.0.0.1", "--port", "0",
+        "--model", "tiny", "--transfer", "mooncake", "--log-level", "warning",
+    ]  # fmt: skip
+    process = await anyio.open_process(command, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert process.stdout is not None
+        with anyio.fail_after(90):
+            line = await BufferedByteReceiveStream(process.stdout).receive_until(b"\n", 4096)
+        assert line.startswith(b"encdisagg serving on "), line
+        listeners = _listening_sockets(process.pid)
+        # HTTP, and Mooncake's handshake and TCP data ports.
+        assert len(listeners) >= 3, listeners
+        for address, port in listeners:
+            assert await anyio.to_thread.run_sync(_connects, "127.0.0.1", port, 30.0)
+            if address != "127.0.0.1":
+                # Mooncake binds every interface; what is not addressed to its host is
+                # dropped before a connection exists. 127.0.0.2 reaches any wildcard
+                # listener on this machine, so it stands for "another interface".
+                assert not await anyio.to_thread.run_sync(_connects, "127.0.0.2", port, 0.5), (
+                    address,
+                    port,
+                )
+    finally:
+        process.terminate()
+        with anyio.move_on_after(30, shield=True):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+            with anyio.CancelScope(shield=True):
+                await process.wait()
+        await process.aclose()
+
+
+@pytest.mark.parametrize(
+    ("host", "other"), [("127.0.0.1", "127.0.0.2"), ("::1", "127.0.0.1")], ids=["ipv4", "ipv6"]
+)
+def test_a_wildcard_listener_is_kept_to_one_host(host: str, other: str) -> None:
+    before = socket_inodes()
+    with socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True) as server:
+        port = server.getsockname()[1]
+        with socket.create_server(("127.0.0.1", 0)) as bystander:
+            # Bound to one address already: left alone.
+            assert keep_listeners_to_host(host, before, port) == [port]
+            assert _connects("127.0.0.1", bystander.getsockname()[1], 30.0)
+        assert _connects(host, port, 30.0)
+        assert not _connects(other, port, 0.5)
+    assert keep_listeners_to_host("0.0.0.0", before, port) == []

@@ -13,6 +13,7 @@ import anyio.to_thread
 
 from .._errors import TransferError
 from ..nurseries import run_thread_to_completion
+from ._mooncake_listen import keep_listeners_to_host, socket_inodes
 from ._regions import RegionTable, check_range
 
 __all__ = ["MooncakeEngine"]
@@ -66,7 +67,9 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
     checks, :meth:`write` also requires its local range to lie in a region registered here:
     Mooncake's TCP transport does not check that, RDMA does.
 
-    :param hostname: the local host (``"host"`` or ``"host:port"``) given to Mooncake.
+    :param hostname: the local host (``"host"`` or ``"host:port"``) given to Mooncake. Its
+        handshake and TCP data ports answer only connections to this host (Mooncake binds
+        them to every interface; a socket filter drops the rest), unless it is a wildcard.
     :param metadata_server: ``"P2PHANDSHAKE"`` (no metadata server) or the metadata server's
         URL, e.g. ``"http://host:port/metadata"``.
     :param protocol: ``"tcp"`` or ``"rdma"``.
@@ -204,6 +207,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
 
     def _start(self) -> None:
         engine = _create_mooncake()
+        sockets_before = socket_inodes()
         rc = engine.initialize(
             self._hostname, self._metadata_server, self._protocol, self._device_name
         )
@@ -212,9 +216,11 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
                 f"mooncake initialize of {self._hostname} ({self._protocol}, "
                 f"{self._metadata_server}) failed (rc={rc})"
             )
+        host, _, port = self._hostname.rpartition(":")
+        host = host if host and port.isdigit() else self._hostname
+        # Before the engine is published: nothing reaches it through another interface.
+        keep_listeners_to_host(host, sockets_before, engine.get_rpc_port())
         if self._metadata_server == P2P_HANDSHAKE:
-            host, _, port = self._hostname.rpartition(":")
-            host = host if host and port.isdigit() else self._hostname
             session_id = f"{host}:{engine.get_rpc_port()}"
         else:
             session_id = self._hostname
