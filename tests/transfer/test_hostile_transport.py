@@ -26,8 +26,18 @@ import torch
 import zmq
 import zmq.utils.monitor
 from anyio.streams.buffered import BufferedByteReceiveStream
+from PIL import Image
 
-from encdisagg import BadRequestError, EncoderConfig, Modality, TransferError
+from encdisagg import (
+    BadRequestError,
+    Encoder,
+    EncoderConfig,
+    EncodeRequest,
+    Modality,
+    TransferError,
+    ZmqDestination,
+)
+from encdisagg.models import QwenVisionModel, load_model
 from encdisagg.receiver import EmbeddingReceiver, PartMetadata, PartPlan, RequestPlan
 from encdisagg.transfer import (
     EmbeddingHeader,
@@ -136,6 +146,37 @@ async def test_the_pool_keeps_at_most_max_endpoints(context: zmq.Context[Any]) -
                 await receiver.receive()
             assert len(pool.endpoints) <= 4
         assert pool.endpoints == {receiver.url for receiver in receivers[2:]}
+
+
+async def test_a_socket_in_use_is_never_closed_to_make_room(context: zmq.Context[Any]) -> None:
+    nobody = "tcp://127.0.0.1:1"
+    async with (
+        ZmqPushPool(max_endpoints=1, send_timeout_s=3600) as pool,
+        ZmqReceiver(context=context) as receiver,
+        anyio.create_task_group() as group,
+    ):
+        # Waits for a connection that never comes: its socket is in use all along.
+        group.start_soon(pool.send, nobody, _header("stuck", 0, error="x"), None)
+        await anyio.wait_all_tasks_blocked()
+        await pool.send(receiver.url, _header("r", 0, error="x"), None)
+        with anyio.fail_after(10):
+            await receiver.receive()
+        assert pool.endpoints == {nobody, receiver.url}
+        assert pool.close_idle() == 0  # both used since the last sweep
+        assert pool.close_idle() == 1  # the receiver's; the stuck send keeps its own
+        assert pool.endpoints == {nobody}
+        group.cancel_scope.cancel()
+
+
+def test_pool_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="idle_timeout_s"):
+        ZmqPushPool(idle_timeout_s=0)
+    with pytest.raises(ValueError, match="max_endpoints"):
+        ZmqPushPool(max_endpoints=0)
+    with pytest.raises(BadRequestError, match="zmq_idle_timeout_s"):
+        EncoderConfig(zmq_idle_timeout_s=0)
+    with pytest.raises(BadRequestError, match="zmq_max_endpoints"):
+        EncoderConfig(zmq_max_endpoints=0)
 
 
 # -- receiver limits -----------------------------------------------------------------------
@@ -322,6 +363,30 @@ async def test_with_curve_nothing_is_pushed_in_the_clear(context: zmq.Context[An
         with pytest.raises(TransferError, match="no CURVE key"):
             await pool.send(plain.url, _header("r", 0, error="x"), None)
         assert pool.endpoints == frozenset()
+
+
+@pytest.fixture(scope="module")
+def tiny() -> QwenVisionModel:
+    return load_model("tiny")
+
+
+async def test_an_encoder_configured_with_the_key_pushes_through_curve(
+    tiny: QwenVisionModel,
+) -> None:
+    public, secret = zmq.curve_keypair()
+    config = EncoderConfig(zmq_curve_server_key=public.decode())
+    pil = Image.fromarray(torch.randint(0, 256, (56, 56, 3), dtype=torch.uint8).numpy())
+    async with (
+        ZmqReceiver(curve_secret_key=secret) as receiver,
+        Encoder(config, model=tiny) as encoder,
+    ):
+        result = await encoder.encode(EncodeRequest("sealed", [pil]))
+        await encoder.send("sealed", ZmqDestination(receiver.url))
+        with anyio.fail_after(30):
+            part = await receiver.receive()
+        assert part.header.req_id == "sealed"
+        assert part.tensor is not None
+        assert part.tensor.shape == (result.num_tokens, result.hidden_size)
 
 
 def test_curve_keys_are_checked_without_being_shown() -> None:
