@@ -9,17 +9,32 @@ The synchronous core (no awaits, driven by a scheduler loop or by property tests
 - :class:`DecodePreallocQueue`: admission to pages and a slot, in order.
 - :class:`DecodeTransferQueue`: one-pass compaction of transferred requests, and deferred
   release of aborted ones until their prefill ranks drained.
+- :class:`DecodeBatchScheduler`: continuous batching over landed KV (prebuilt batches,
+  metadata slots held until a draft state is consumed, retraction and resume).
 
 Memory: :class:`KVPagePool` (pages in one registered buffer), :class:`MetadataSlotTable`
-(rows tagged with the writer's room), :class:`PagedKVSink` (commit and release over both).
+(rows tagged with the writer's room), :class:`PagedKVSink` (commit and release over both),
+:class:`DraftLayout` (a draft state in a row's extra words), :class:`PagedKVBackup`
+(retraction's copies).
 
 The async shell: :class:`DecodeKVLeases` hands out :class:`KVLease` scopes whose exit waits,
-shielded and bounded, for the drained-acks fed in through :meth:`DecodeKVLeases.ack`.
+shielded and bounded, for the drained-acks fed in through :meth:`DecodeKVLeases.ack`;
+:func:`run_decode_step` runs one batched step of a :class:`DecodeBatchScheduler`.
 """
 
 from types import FunctionType as _FunctionType
 
 from ._acks import AbortAckTracker as AbortAckTracker
+from ._backup import PagedKVBackup as PagedKVBackup
+from ._batch_loop import run_decode_step as run_decode_step
+from ._batching import (
+    DecodeBatch as DecodeBatch,
+    DecodeBatchScheduler as DecodeBatchScheduler,
+    FinishReason as FinishReason,
+    KVBackup as KVBackup,
+    RunningRequest as RunningRequest,
+)
+from ._draft import DraftLayout as DraftLayout, DraftState as DraftState
 from ._drain import DrainAcks as DrainAcks
 from ._leases import (
     AbortSender as AbortSender,
@@ -67,12 +82,21 @@ __all__ = (
     "RetractedRequest",
     "PreallocPass",
     "DecodePreallocQueue",
+    "RunningRequest",
+    "DecodeBatch",
+    "FinishReason",
+    "KVBackup",
+    "DecodeBatchScheduler",
     # memory
     "KVPagePool",
     "MetadataSlotTable",
     "PagedKVSink",
     "kv_checksum",
+    "DraftLayout",
+    "DraftState",
+    "PagedKVBackup",
     # async shell
+    "run_decode_step",
     "DrainAcks",
     "DecodeKVLeases",
     "KVLease",

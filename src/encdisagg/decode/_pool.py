@@ -202,21 +202,32 @@ class MetadataSlotTable:
     """The metadata rows the prefill side writes, one per metadata slot.
 
     Each row carries the writer's room tag, the first output token, how many prompt tokens
-    were cached, and a checksum of the KV pages. Hand :meth:`zero` to
-    :class:`MetadataSlotAllocator` as its ``zero_slot`` so a row is cleared before its slot
-    can be reused.
+    were cached, and a checksum of the KV pages; ``extra_words`` more words per row carry
+    whatever the writer ships beside them (see :class:`DraftLayout`), written before the tag.
+    Hand :meth:`zero` to :class:`MetadataSlotAllocator` as its ``zero_slot`` so a row is
+    cleared before its slot can be reused.
     """
 
-    def __init__(self, size: int, *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, size: int, *, extra_words: int = 0, device: torch.device | str = "cpu"
+    ) -> None:
         if size < 0:
             raise ValueError(f"size must be non-negative, got {size}")
+        if extra_words < 0:
+            raise ValueError(f"extra_words must be non-negative, got {extra_words}")
         self.size = size
-        self.rows = torch.zeros((size, _ROW_WORDS), dtype=torch.int64, device=device)
+        self.extra_words = extra_words
+        self.rows = torch.zeros((size, _ROW_WORDS + extra_words), dtype=torch.int64, device=device)
         self._registration = _Registration(f"metadata slot table ({size} rows)")
 
     @property
     def row_bytes(self) -> int:
-        return _ROW_WORDS * 8
+        return (_ROW_WORDS + self.extra_words) * 8
+
+    def extra(self, slot: int) -> torch.Tensor:
+        """A view of ``slot``'s words past the fixed eight (e.g. a draft state), in place."""
+        self._check(slot)
+        return self.rows[slot, _ROW_WORDS:]
 
     @property
     def ptr(self) -> int:

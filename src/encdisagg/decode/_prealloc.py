@@ -5,7 +5,7 @@ Synchronous, like the transfer queue: the scheduler calls it between forwards.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,6 +44,11 @@ class RetractedRequest:
     num_pages: int
     #: The pages it resumed with (empty while retracted).
     pages: tuple[int, ...] = ()
+    #: Writes the KV backed up at retraction into the pages it resumes with; called once, by
+    #: :meth:`DecodePreallocQueue.resume_retracted`, right after the pages were taken.
+    reload: Callable[[tuple[int, ...]], None] | None = None
+    #: True while it waits to resume.
+    is_retracted: bool = True
 
 
 class PreallocPass(NamedTuple):
@@ -151,29 +156,53 @@ class DecodePreallocQueue:
         return PreallocPass(preallocated, failed)
 
     def resume_retracted(
-        self, rids_to_check: Collection[str] | None = None
+        self, rids_to_check: Collection[str] | None = None, *, max_pages: int | None = None
     ) -> list[RetractedRequest]:
-        """Give pages back to retracted requests in order, in one pass.
+        """Give pages back to retracted requests in order, and reload their KV, in one pass.
 
         Only requests whose ``rid`` is in ``rids_to_check`` are examined (all when ``None``).
-        The first examined request that does not fit stops the pass; the rest stay, in order.
+        The first examined request that does not fit (the pool, or ``max_pages`` in all) stops
+        the pass, so no later one overtakes it; the rest stay, in order. Each resumed request
+        gets its ``pages``, then its ``reload`` writes the backed-up KV into them. A
+        ``reload`` that raises gives the pages back and leaves that request (and every one
+        after it) queued; the error propagates.
 
         :return: the resumed requests, each with its new ``pages``.
         """
         checked = _as_set(rids_to_check)
+        queue = self.retracted
         survivors: list[RetractedRequest] = []
         resumed: list[RetractedRequest] = []
+        budget = max_pages
         stopped = False
-        for req in self.retracted:
-            if stopped or (checked is not None and req.rid not in checked):
-                survivors.append(req)
-                continue
-            pages = self.pages.alloc(req.num_pages)
-            if pages is None:
-                stopped = True
-                survivors.append(req)
-                continue
-            req.pages = tuple(pages)
-            resumed.append(req)
-        self.retracted = survivors
+        done = 0
+        try:
+            for req in queue:
+                done += 1
+                if stopped or (checked is not None and req.rid not in checked):
+                    survivors.append(req)
+                    continue
+                pages = None
+                if budget is None or req.num_pages <= budget:
+                    pages = self.pages.alloc(req.num_pages)
+                if pages is None:
+                    stopped = True
+                    survivors.append(req)
+                    continue
+                try:
+                    if req.reload is not None:
+                        req.reload(tuple(pages))
+                except BaseException:
+                    self.pages.free(pages)
+                    done -= 1
+                    raise
+                if budget is not None:
+                    budget -= req.num_pages
+                req.pages = tuple(pages)
+                req.reload = None
+                req.is_retracted = False
+                resumed.append(req)
+        finally:
+            survivors.extend(queue[done:])
+            self.retracted = survivors
         return resumed

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .._errors import InternalError
 from ._acks import AbortAckTracker
@@ -64,6 +64,10 @@ class DecodeRequest:
     pages: tuple[int, ...] = ()
     #: The metadata row a sink read when it committed the request.
     metadata: MetadataRow | None = None
+    #: A speculative draft state that a sink found in the metadata slot at commit (views into
+    #: the slot's memory, not copies). While it is set the request keeps its slot: the first
+    #: real decode step reads it, and only then may the slot be freed and written again.
+    draft: Any = None
 
 
 class KVSink(Protocol):
@@ -177,8 +181,10 @@ class DecodeTransferQueue:
           (``abort_notified``), the request is held (its pages and slot kept) until
           :meth:`resolve_deferred_releases` finds it drained or expired; otherwise
           ``kv.release`` and its slot is freed now.
-        - ``Success``: ``kv.commit``. ``COMMITTED``: returned, slot freed. ``NOT_READY``:
-          stays queued with its slot. ``CORRUPT``: ``kv.abort``, ``kv.release``, slot freed.
+        - ``Success``: ``kv.commit``. ``COMMITTED``: returned, and its slot freed unless the
+          commit found a draft state (``req.draft``), whose slot stays held until the first
+          decode step consumed it (:meth:`free_metadata`). ``NOT_READY``: stays queued with
+          its slot. ``CORRUPT``: ``kv.abort``, ``kv.release``, slot freed.
         - Anything else: stays queued.
 
         A sink call that raises is logged and treated as the safest outcome (a raising
@@ -207,7 +213,8 @@ class DecodeTransferQueue:
                 elif poll == KVPoll.Success:
                     status = self._commit(req)
                     if status is CommitStatus.COMMITTED:
-                        self._free_slot(req)
+                        if req.draft is None:
+                            self._free_slot(req)
                         transferred.append(req)
                     elif status is CommitStatus.NOT_READY:
                         survivors.append(req)
@@ -274,6 +281,18 @@ class DecodeTransferQueue:
                 released.append(entry.req)
         return released
 
+    def free_metadata(self, req: DecodeRequest) -> bool:
+        """Zero and free the metadata slot ``req`` still holds, and drop its draft state.
+
+        Idempotent: a request without a slot is left alone, so freeing twice is a no-op.
+
+        :return: whether a slot was freed now.
+        """
+        had_slot = req.metadata_slot is not None and req.metadata_slot >= 0
+        req.draft = None
+        self._free_slot(req)
+        return had_slot
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _hold(self, req: DecodeRequest) -> None:
@@ -325,6 +344,7 @@ class DecodeTransferQueue:
             ok = False
             self.release_failures += 1
             _log.exception("releasing KV of request %r raised; not retried", req.rid)
+        req.draft = None
         self._free_slot(req)
         if req.generation is not None:
             self.acks.clear(req.room, generation=req.generation)

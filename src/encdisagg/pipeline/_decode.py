@@ -4,10 +4,11 @@ One scheduler task makes every decision synchronously, on the decode side's queu
 (:class:`~encdisagg.decode.DecodePreallocQueue`, :class:`~encdisagg.decode.DecodeTransferQueue`),
 in the order the decode docs prescribe: resolve held releases, preallocate, hand the pages to
 prefill, pop what transferred (the decisions live in :mod:`._decode_sched`). Committed
-requests are decoded in tasks of the worker's own task group (the model runs in a worker
-thread); their pages are freed when their decode ends. An aborted request whose pages were
-handed out is held by the transfer queue until prefill's drained-ack for that abort's
-generation arrives, or ``release_timeout_s`` passes.
+requests join a :class:`~encdisagg.decode.DecodeBatchScheduler`; the same task then runs one
+batched decode step of every running request over the paged KV (the model in a worker
+thread), and loops while any request runs. A request's pages are freed when it finishes. An
+aborted request whose pages were handed out is held by the transfer queue until prefill's
+drained-ack for that abort's generation arrives, or ``release_timeout_s`` passes.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import anyio.abc
 import anyio.lowlevel
 import torch
 
-from .._errors import EncdisaggError, ServiceUnavailableError
-from ..nurseries import run_thread_to_completion
+from .._errors import ServiceUnavailableError
+from ..decode import DecodeBatch, run_decode_step
 from ._decode_sched import DecodeScheduler
-from ._decode_types import DecodeJob, DecodePhase, DecodeResult, DecodeStats, DecodeStatus
+from ._decode_types import DecodeJob, DecodePhase, DecodeResult, DecodeStats
 from ._lm import LanguageModel
 from ._messages import DecodeMessage, PrefillMessage
 
@@ -81,6 +82,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
     :param metadata_slots: metadata rows (requests in flight at most).
     :param release_timeout_s: how long an aborted request's pages wait for prefill's
         drained-ack at most.
+    :param max_running: requests decoded together in one batched step at most.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         page_tokens: int = 16,
         metadata_slots: int = 64,
         release_timeout_s: float = 30.0,
+        max_running: int = 64,
     ) -> None:
         self.lm = lm
         self.engine = engine
@@ -103,6 +106,9 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
             num_pages=num_pages,
             metadata_slots=metadata_slots,
             release_timeout_s=release_timeout_s,
+            draft_layout=lm.draft_layout,
+            max_running=max_running,
+            eos_token_ids=lm.eos_token_ids,
         )
         self._scheduler = scheduler
         self.pool = scheduler.pool
@@ -112,6 +118,11 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         self.sink = scheduler.sink
         self.prealloc = scheduler.prealloc
         self.transfer = scheduler.transfer
+        self.batcher = scheduler.batcher
+        # The pool seen as KV pages: [pages, layers, 2, kv_heads, page_tokens, head_dim].
+        self._kv_pages = self.pool.buffer.view(lm.dtype).view(
+            num_pages, *lm.kv_page_shape(page_tokens)
+        )
         self.release_timeout_s = release_timeout_s
         self._idle = anyio.Event()
         self._group: anyio.abc.TaskGroup | None = None
@@ -217,9 +228,11 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
     async def _schedule(self) -> None:
         scheduler = self._scheduler
         while True:
-            for job in scheduler.tick():
-                assert self._group is not None
-                self._group.start_soon(self._decode, job)
+            scheduler.tick()
+            batch = await run_decode_step(scheduler.batcher, self._forward, limiter=self._compute)
+            scheduler.collect_ended()
+            if batch is not None:
+                continue  # requests are running: step again at once (the step checkpointed)
             if scheduler.is_idle():
                 self._idle.set()
             deadline = scheduler.transfer.next_deadline()
@@ -228,36 +241,31 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
                 await scheduler.wake.wait()
             scheduler.wake = anyio.Event()
 
-    # -- decoding ----------------------------------------------------------------------------
+    # -- decoding (worker thread) ------------------------------------------------------------
 
-    async def _decode(self, job: DecodeJob) -> None:
-        req = job.req
-        assert req is not None
-        scheduler = self._scheduler
-        try:
-            tokens = await run_thread_to_completion(
-                self._decode_sync, job, req.pages, limiter=self._compute
-            )
-        except EncdisaggError as exc:
-            scheduler.finish(job, DecodeStatus.FAILED, exc.message)
-        except Exception as exc:
-            _log.exception("decoding request %r failed", job.rid)
-            scheduler.finish(job, DecodeStatus.FAILED, repr(exc))
-        else:
-            if job.aborted:
-                scheduler.finish(job, DecodeStatus.ABORTED, "aborted while decoding", tuple(tokens))
-            else:
-                scheduler.finish(job, DecodeStatus.COMPLETED, tokens=tuple(tokens))
-        finally:
-            scheduler.decode_ended(req)
-
-    def _decode_sync(self, job: DecodeJob, pages: tuple[int, ...]) -> list[int]:
-        blob = torch.cat([self.pool.page(page) for page in pages])
-        kv = self.lm.unpack_kv(blob, job.seq_len)
-        return self.lm.decode(
-            kv,
-            first_token=job.first_token,
-            rope_delta=job.rope_delta,
-            max_new_tokens=job.max_new_tokens,
-            should_stop=job.stop.is_set,
+    def _forward(self, batch: DecodeBatch) -> list[int]:
+        """One batched step; first consumes the draft states of requests new to the batch."""
+        fresh = [rr for rr in batch.reqs if rr.req.draft is not None]
+        if fresh:
+            # The draft state is read in place, from the metadata slot the request still
+            # holds; the scheduler frees the slot once this step's result is in.
+            hidden = torch.stack([rr.req.draft.hidden for rr in fresh])
+            predicted = self.lm.draft_top1(hidden)
+            for rr, top1 in zip(fresh, predicted, strict=True):
+                draft = rr.req.draft
+                ids = [int(i) for i in draft.top_ids.tolist()]
+                rr.first_top = tuple(
+                    zip(ids, (float(p) for p in draft.top_logprobs.tolist()), strict=True)
+                )
+                if top1 != rr.first_token or ids[0] != rr.first_token:
+                    self._scheduler.draft_mismatches += 1
+                    _log.warning(
+                        "request %r: its draft state does not match its first token", rr.rid
+                    )
+        return self.lm.paged_decode_step(
+            self._kv_pages,
+            tokens=[rr.output[-1] for rr in batch.reqs],
+            kv_lens=[rr.kv_len for rr in batch.reqs],
+            positions=[rr.next_position for rr in batch.reqs],
+            page_tables=[rr.req.pages for rr in batch.reqs],
         )

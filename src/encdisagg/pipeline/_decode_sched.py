@@ -3,9 +3,10 @@
 Everything here is synchronous and never awaits, so the state is consistent at every
 checkpoint of the worker around it. A pass (:meth:`DecodeScheduler.tick`) works the decode
 side's queues in the order the decode docs prescribe: handle prefill's messages, resolve held
-releases, preallocate and hand the pages to prefill, pop what transferred. It returns the
-requests whose KV was committed; the worker decodes them and hands each back through
-:meth:`DecodeScheduler.decode_ended`.
+releases, preallocate and hand the pages to prefill, pop what transferred. Committed requests
+join the waiting queue of the batch scheduler (:class:`~encdisagg.decode.DecodeBatchScheduler`)
+that the worker steps; :meth:`DecodeScheduler.collect_ended` turns the requests it finished
+into results.
 """
 
 from __future__ import annotations
@@ -21,15 +22,20 @@ from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailable
 from ..decode import (
     AbortAckTracker,
     CommitStatus,
+    DecodeBatchScheduler,
     DecodePreallocQueue,
     DecodeRequest,
     DecodeTransferQueue,
+    DraftLayout,
+    FinishReason,
     KVPagePool,
     KVPoll,
     MetadataSlotAllocator,
     MetadataSlotTable,
+    PagedKVBackup,
     PagedKVSink,
     PreallocRequest,
+    RunningRequest,
 )
 from ._decode_types import DecodeJob, DecodePhase, DecodeResult, DecodeStats, DecodeStatus
 from ._messages import (
@@ -67,6 +73,9 @@ class _PipelineSink(PagedKVSink):
             assert req.metadata_slot is not None
             assert req.metadata is not None
             row = self.table.rows[req.metadata_slot]
+            # Views into the slot, not copies: the transfer queue keeps the slot for them
+            # until the first decode step read them.
+            req.draft = self._scheduler.draft_layout.views(self.table.extra(req.metadata_slot))
             self._scheduler._on_commit(req, int(row[ROPE_DELTA_WORD]), int(row[SEQ_LEN_WORD]))
         return status
 
@@ -79,6 +88,9 @@ class DecodeScheduler:
 
     :param kv_bytes_per_token: KV bytes one prompt token takes (sizes a request's pages).
     :param engine: the engine the pages are registered with (its session goes to prefill).
+    :param draft_layout: where prefill's draft state sits in a metadata row.
+    :param max_running: requests in the running batch at most.
+    :param eos_token_ids: tokens that end a request.
     """
 
     def __init__(
@@ -90,12 +102,17 @@ class DecodeScheduler:
         num_pages: int,
         metadata_slots: int,
         release_timeout_s: float,
+        draft_layout: DraftLayout,
+        max_running: int,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.engine = engine
         self.page_bytes = page_bytes
+        self.page_tokens = page_bytes // kv_bytes_per_token
+        self.draft_layout = draft_layout
         self.pool = KVPagePool(num_pages, page_bytes)
-        self.table = MetadataSlotTable(metadata_slots)
+        self.table = MetadataSlotTable(metadata_slots, extra_words=draft_layout.words)
         self.slots = MetadataSlotAllocator(metadata_slots, zero_slot=self.table.zero)
         self.acks = AbortAckTracker()
         self.sink = _PipelineSink(self)
@@ -107,10 +124,20 @@ class DecodeScheduler:
             release_timeout_s=release_timeout_s,
             clock=anyio.current_time,
         )
+        self.batcher = DecodeBatchScheduler(
+            transfer=self.transfer,
+            prealloc=self.prealloc,
+            pages=self.pool,
+            page_tokens=self.page_tokens,
+            max_running=max_running,
+            kv_backup=PagedKVBackup(self.pool),
+            eos_token_ids=eos_token_ids,
+            clock=anyio.current_time,
+        )
         self.jobs: dict[str, DecodeJob] = {}
         self.wake = anyio.Event()
-        #: Committed requests being decoded (their pages are theirs until it ends).
-        self.decoding = 0
+        #: Draft states whose hidden state did not predict the first token they came with.
+        self.draft_mismatches = 0
         self._prefill: Callable[[PrefillMessage], None] | None = None
         self._polls: dict[str, KVPoll] = {}
         self._inbox: deque[DecodeMessage] = deque()
@@ -172,7 +199,8 @@ class DecodeScheduler:
             req.abort_notified = True
             self._polls[rid] = KVPoll.Failed
         elif phase is DecodePhase.DECODING:
-            job.stop.set()
+            assert job.running is not None
+            self.batcher.request_abort(job.running)
         self.poke()
 
     def is_idle(self) -> bool:
@@ -181,7 +209,7 @@ class DecodeScheduler:
             or self.prealloc.queue
             or self.transfer.queue
             or self.transfer.deferred
-            or self.decoding
+            or not self.batcher.is_idle()
         )
 
     def stats(self) -> DecodeStats:
@@ -192,17 +220,14 @@ class DecodeScheduler:
         owned = sum(len(r.pages) for r in self.transfer.queue) + sum(
             len(r.pages) for r in self.transfer.deferred
         )
-        owned += sum(
-            len(job.req.pages)
-            for job in self.jobs.values()
-            if job.req is not None and job.phase is DecodePhase.DECODING
-        )
+        batcher = self.batcher
+        owned += batcher.owned_pages()
         return DecodeStats(
             live=len(self.jobs),
             prealloc_queued=len(self.prealloc.queue),
             transfer_queued=len(self.transfer.queue),
             held=held,
-            decoding=self.decoding,
+            decoding=len(batcher.running) + len(batcher.waiting) + len(batcher.retracted),
             leaked_pages=max(0, in_use - owned),
             pages_free=pool_free,
             pages_total=self.pool.num_pages,
@@ -216,12 +241,17 @@ class DecodeScheduler:
             drained_releases=self._drained,
             timed_out_releases=self._timed_out,
             release_failures=self.transfer.release_failures,
+            decode_steps=batcher.steps,
+            retractions=batcher.retractions,
+            resumptions=batcher.resumptions,
+            draft_mismatches=self.draft_mismatches,
         )
 
     # -- one pass ----------------------------------------------------------------------------
 
-    def tick(self) -> list[DecodeJob]:
-        """One scheduling pass; returns the requests to decode now (counted in ``decoding``)."""
+    def tick(self) -> None:
+        """One scheduling pass: messages, held releases, preallocation, committed requests
+        into the batch scheduler's waiting queue."""
         while self._inbox:
             self._handle(self._inbox.popleft())
         self._resolve_held()
@@ -251,18 +281,40 @@ class DecodeScheduler:
         held_before = len(self.transfer.held)
         committed = self.transfer.pop_transferred(self._polls)
         self._held_releases += len(self.transfer.held) - held_before
-        to_decode: list[DecodeJob] = []
         for req in committed:
             job = self.jobs.get(req.rid)
+            self._polls.pop(req.rid, None)
             if job is None or job.phase is DecodePhase.DONE:
                 # Finished meanwhile (cannot happen: an abort sets Failed first); free it.
+                self.transfer.free_metadata(req)
                 self.sink.release(req)
                 continue
-            self._polls.pop(req.rid, None)
+            running = RunningRequest(
+                req,
+                max_new_tokens=job.max_new_tokens,
+                kv_len=job.seq_len,
+                first_token=job.first_token,
+                position_offset=job.rope_delta,
+            )
+            job.running = running
             job.advance(DecodePhase.DECODING)
-            self.decoding += 1
-            to_decode.append(job)
-        return to_decode
+            self.batcher.add(running)
+
+    def collect_ended(self) -> None:
+        """Give every request the batch scheduler finished its result."""
+        for running in self.batcher.take_ended():
+            job = self.jobs.get(running.rid)
+            if job is None or job.running is not running:
+                continue
+            job.first_top = running.first_top
+            job.retractions = running.retractions
+            tokens = tuple(running.output)
+            if running.finished is FinishReason.ABORTED:
+                self.finish(job, DecodeStatus.ABORTED, "aborted while decoding", tokens)
+            elif running.finished is FinishReason.FAILED:
+                self.finish(job, DecodeStatus.FAILED, running.error, tokens)
+            else:
+                self.finish(job, DecodeStatus.COMPLETED, tokens=tokens)
 
     def _resolve_held(self) -> None:
         held = {id(entry.req): entry.deadline for entry in self.transfer.held}
@@ -287,7 +339,15 @@ class DecodeScheduler:
                 return
             job.seq_len = message.seq_len
             pages = max(1, -(-message.seq_len * self.kv_bytes_per_token // self.page_bytes))
+            # Alone in the pool it must be able to finish, or retraction could never help it.
+            whole = -(-(message.seq_len + job.max_new_tokens) // self.page_tokens)
             try:
+                if whole > self.pool.num_pages:
+                    raise BadRequestError(
+                        f"request {job.rid!r} needs {whole} KV pages for its prompt and "
+                        f"{job.max_new_tokens} new tokens; the pool has {self.pool.num_pages}",
+                        req_id=job.rid,
+                    )
                 self.prealloc.add(PreallocRequest(job.rid, job.room, pages, required_acks=1))
             except BadRequestError as exc:
                 self._send(AbortRequest(job.rid, job.room, None))
@@ -346,6 +406,8 @@ class DecodeScheduler:
             tokens=tokens,
             error=error,
             checksum=job.checksum if status is DecodeStatus.COMPLETED else 0,
+            first_top=job.first_top,
+            retractions=job.retractions,
             started_at=job.started_at,
             first_token_at=job.first_token_at,
             finished_at=anyio.current_time(),
@@ -356,11 +418,4 @@ class DecodeScheduler:
         if self.jobs.get(job.rid) is job:
             del self.jobs[job.rid]
         job.done.set()
-        self.poke()
-
-    def decode_ended(self, req: DecodeRequest) -> None:
-        """The decode of ``req`` ended (after :meth:`finish`): its committed pages go back at
-        once, since no writer is left."""
-        self.sink.release(req)
-        self.decoding -= 1
         self.poke()

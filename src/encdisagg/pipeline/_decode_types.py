@@ -4,12 +4,11 @@ and the per-request state the scheduler keeps."""
 from __future__ import annotations
 
 import enum
-import threading
 from dataclasses import dataclass, field
 
 import anyio
 
-from ..decode import DecodeRequest
+from ..decode import DecodeRequest, RunningRequest
 
 __all__ = ["DecodeJob", "DecodePhase", "DecodeResult", "DecodeStats", "DecodeStatus"]
 
@@ -49,12 +48,17 @@ class DecodeResult:
     started_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float = 0.0
+    #: The first token's top-k ``(id, logprob)``, from the draft state prefill shipped.
+    first_top: tuple[tuple[int, float], ...] = ()
+    #: How often the request was retracted (its KV backed up and reloaded) while decoding.
+    retractions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeStats:
     """A snapshot of the worker. The first six are zero, and ``pages_free`` /
-    ``slots_free`` equal their totals, when it is idle."""
+    ``slots_free`` equal their totals, when it is idle. ``decoding`` counts requests in the
+    batch scheduler: waiting, running or retracted."""
 
     live: int
     prealloc_queued: int
@@ -74,6 +78,12 @@ class DecodeStats:
     drained_releases: int
     timed_out_releases: int
     release_failures: int
+    #: Batched decode steps run, requests retracted and resumed under memory pressure.
+    decode_steps: int = 0
+    retractions: int = 0
+    resumptions: int = 0
+    #: Draft states whose hidden state did not predict their first token (counted corrupt).
+    draft_mismatches: int = 0
 
 
 @dataclass(eq=False)
@@ -97,8 +107,10 @@ class DecodeJob:
     result: DecodeResult | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
     phase_changed: anyio.Event = field(default_factory=anyio.Event)
-    #: Read by the decode thread between tokens.
-    stop: threading.Event = field(default_factory=threading.Event)
+    #: Its place in the batch scheduler, once its KV was committed.
+    running: RunningRequest | None = None
+    first_top: tuple[tuple[int, float], ...] = ()
+    retractions: int = 0
 
     def advance(self, phase: DecodePhase) -> None:
         self.phase = phase

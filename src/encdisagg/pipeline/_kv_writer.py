@@ -64,7 +64,14 @@ class KVPageWriter:
         self.engine = engine
         self.page_bytes = page_bytes
         self.staging = KVPagePool(staging_pages, page_bytes)
-        self.rows = MetadataSlotTable(staging_rows)
+        self.page_tokens = page_bytes // lm.kv_bytes_per_token
+        if self.page_tokens < 1 or self.page_tokens * lm.kv_bytes_per_token != page_bytes:
+            raise BadRequestError(
+                f"page_bytes {page_bytes} is not a whole number of tokens of KV "
+                f"({lm.kv_bytes_per_token} bytes each)"
+            )
+        self.draft_layout = lm.draft_layout
+        self.rows = MetadataSlotTable(staging_rows, extra_words=self.draft_layout.words)
         self.row_slots = MetadataSlotAllocator(staging_rows, zero_slot=self.rows.zero)
         self._staging_timeout_s = staging_timeout_s
         self._space = anyio.Event()
@@ -118,7 +125,7 @@ class KVPageWriter:
         return staged
 
     def _pack(self, request: PipelineRequest, result: PrefillResult, staged: StagedKV) -> int:
-        blob = self.lm.pack_kv(result)
+        blob = self.lm.pack_kv(result, self.page_tokens)
         size = self.page_bytes
         for index, page in enumerate(staged.pages):
             view = self.staging.page(page)
@@ -126,6 +133,12 @@ class KVPageWriter:
             chunk = blob[index * size : (index + 1) * size]
             view[: chunk.numel()] = chunk
         checksum = self.staging.checksum(staged.pages)
+        if result.top_ids is not None and result.top_logprobs is not None:
+            assert result.hidden is not None
+            # The draft state travels in the row's body, so it is in before the room tag.
+            self.draft_layout.write(
+                self.rows.extra(staged.row), result.top_ids, result.top_logprobs, result.hidden
+            )
         self.rows.write(
             staged.row,
             room=request.room,

@@ -9,14 +9,15 @@ are exactly what this model's own tower would compute.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from .._errors import BadRequestError, InternalError
+from .._errors import BadRequestError
+from ..decode import DraftLayout
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -30,6 +31,9 @@ __all__ = [
 
 #: Ids below this are reserved (pad, bos, eos) in the byte tokenizer.
 _FIRST_BYTE_ID: Final = 3
+
+#: Candidates of the first token that prefill ships as its draft state.
+DRAFT_TOP_K: Final = 4
 
 
 class ByteTokenizer:
@@ -59,6 +63,11 @@ class PrefillResult:
     seq_len: int
     #: ``[kv_heads, seq_len, head_dim]`` keys and values, per layer.
     kv: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    #: The draft state shipped beside the first token: its top-k ids and log-probabilities
+    #: (best first), and the final hidden state they come from (``[hidden_size]``).
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 def _eval(module: torch.nn.Module) -> None:
@@ -136,35 +145,42 @@ class LanguageModel:
     # -- KV layout ---------------------------------------------------------------------------
 
     @property
+    def draft_layout(self) -> DraftLayout:
+        """Where prefill's draft state (top-k of the first token, hidden state) sits in a
+        metadata row."""
+        return DraftLayout(DRAFT_TOP_K, self.hidden_size)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token takes over all layers."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
 
-    def pack_kv(self, result: PrefillResult) -> torch.Tensor:
-        """The KV of ``result`` as one flat byte tensor: per layer, keys then values."""
-        chunks = []
-        for keys, values in result.kv:
-            chunks.append(keys.contiguous().view(torch.uint8).reshape(-1))
-            chunks.append(values.contiguous().view(torch.uint8).reshape(-1))
-        return torch.cat(chunks)
+    def kv_page_shape(self, page_tokens: int) -> tuple[int, int, int, int, int]:
+        """One KV page as a tensor: ``[layers, 2 (keys, values), kv_heads, tokens, head_dim]``.
 
-    def unpack_kv(
-        self, blob: torch.Tensor, seq_len: int
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """The inverse of :meth:`pack_kv` (copies)."""
-        need = seq_len * self.kv_bytes_per_token
-        if blob.numel() < need:
-            raise InternalError(f"KV blob has {blob.numel()} bytes; {seq_len} tokens need {need}")
-        flat = blob[:need].clone().view(self.dtype)
-        per = self.kv_heads * seq_len * self.head_dim
-        shape = (self.kv_heads, seq_len, self.head_dim)
-        layers = []
-        for layer in range(self.num_layers):
-            keys = flat[2 * layer * per : (2 * layer + 1) * per].view(shape)
-            values = flat[(2 * layer + 1) * per : (2 * layer + 2) * per].view(shape)
-            layers.append((keys, values))
-        return tuple(layers)
+        Pages are token-major: page ``p`` holds tokens ``p*page_tokens ..`` of every layer,
+        so a request's KV grows by whole pages and attention reads it through a page table.
+        """
+        return (self.num_layers, 2, self.kv_heads, page_tokens, self.head_dim)
+
+    def pack_kv(self, result: PrefillResult, page_tokens: int) -> torch.Tensor:
+        """The KV of ``result`` as flat bytes in :meth:`kv_page_shape` pages, zero-padded."""
+        pages = -(-result.seq_len // page_tokens)
+        paged = torch.zeros((pages, *self.kv_page_shape(page_tokens)), dtype=self.dtype)
+        tokens = paged.permute(1, 2, 3, 0, 4, 5).reshape(
+            self.num_layers, 2, self.kv_heads, pages * page_tokens, self.head_dim
+        )
+        for layer, (keys, values) in enumerate(result.kv):
+            tokens[layer, 0, :, : result.seq_len] = keys
+            tokens[layer, 1, :, : result.seq_len] = values
+        # ``tokens`` is a copy (the permute is not contiguous); write it back page-major.
+        paged.copy_(
+            tokens.view(
+                self.num_layers, 2, self.kv_heads, pages, page_tokens, self.head_dim
+            ).permute(3, 0, 1, 2, 4, 5)
+        )
+        return paged.view(torch.uint8).reshape(-1)
 
     # -- compute (blocking) ------------------------------------------------------------------
 
@@ -203,54 +219,50 @@ class LanguageModel:
             out = model.model.language_model(
                 inputs_embeds=embeds, position_ids=positions, use_cache=True
             )
-            logits = model.lm_head(out.last_hidden_state[:, -1])
+            hidden = out.last_hidden_state[0, -1]
+            logits = model.lm_head(hidden)
             first = int(logits.argmax(-1))
+            top = torch.log_softmax(logits.float(), -1).topk(DRAFT_TOP_K)
             kv = tuple(
                 (layer.keys[0].clone(), layer.values[0].clone()) for layer in out.cache.layers
             )
         return PrefillResult(
-            first_token=first, rope_delta=rope_delta, seq_len=int(ids.shape[1]), kv=kv
+            first_token=first,
+            rope_delta=rope_delta,
+            seq_len=int(ids.shape[1]),
+            kv=kv,
+            top_ids=top.indices.clone(),
+            top_logprobs=top.values.clone(),
+            hidden=hidden.float().clone(),
         )
 
-    def decode(
+    def paged_decode_step(
         self,
-        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_pages: torch.Tensor,
         *,
-        first_token: int,
-        rope_delta: int,
-        max_new_tokens: int,
-        should_stop: Callable[[], bool] = lambda: False,
+        tokens: Sequence[int],
+        kv_lens: Sequence[int],
+        positions: Sequence[int],
+        page_tables: Sequence[Sequence[int]],
     ) -> list[int]:
-        """Greedy decoding from a prefilled KV cache. Blocks.
+        """One batched greedy decode step over paged KV (see :func:`paged_decode_step`).
+        Blocks."""
+        from ._paged_step import paged_decode_step
 
-        ``first_token`` (prefill's) counts as the first of ``max_new_tokens``; decoding stops
-        after an end-of-sequence token, as ``generate`` does, or when ``should_stop()``
-        (checked between tokens) turns true.
-        """
-        from transformers import DynamicCache
-
-        model = self.model
-        tokens = [first_token]
-        if max_new_tokens < 1:
-            return []
-        seq_len = int(kv[0][0].shape[1])
         with self._lock, torch.inference_mode():
-            text_config: Any = model.config.text_config
-            cache = DynamicCache(config=text_config)
-            for layer, (keys, values) in enumerate(kv):
-                cache.update(keys.unsqueeze(0), values.unsqueeze(0), layer)
-            current = seq_len
-            while len(tokens) < max_new_tokens and tokens[-1] not in self.eos_token_ids:
-                if should_stop():
-                    break
-                embeds = model.model.get_input_embeddings()(torch.tensor([[tokens[-1]]]))
-                positions = torch.full((3, 1, 1), current + rope_delta, dtype=torch.long)
-                out = model.model.language_model(
-                    inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True
-                )
-                tokens.append(int(model.lm_head(out.last_hidden_state[:, -1]).argmax(-1)))
-                current += 1
-        return tokens
+            return paged_decode_step(
+                self.model,
+                kv_pages,
+                tokens=tokens,
+                kv_lens=kv_lens,
+                positions=positions,
+                page_tables=page_tables,
+            )
+
+    def draft_top1(self, hidden: torch.Tensor) -> list[int]:
+        """The token the model predicts from each row of final hidden states. Blocks."""
+        with self._lock, torch.inference_mode():
+            return [int(t) for t in self.model.lm_head(hidden.to(self.dtype)).argmax(-1).tolist()]
 
     def image_token_counts(self, images: Sequence[Image.Image]) -> tuple[int, ...]:
         """Tokens each image takes, as this model's own processor sees it. Blocks."""
