@@ -133,6 +133,8 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
     :param release_timeout_s: bound on the best-effort ``/release`` calls after a failure.
     :param connect_timeout_s: bound on opening a connection.
     :param max_connections: connections kept open in all.
+    :param api_key: sent as ``Authorization: Bearer <api_key>`` on every call, for
+        encoders served with ``--api-key``.
     :param transport: an ``httpx`` transport to use instead of the network (tests).
     """
 
@@ -145,6 +147,7 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         release_timeout_s: float = 5.0,
         connect_timeout_s: float = 5.0,
         max_connections: int = 64,
+        api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if isinstance(urls, str) or not urls:
@@ -166,6 +169,9 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         self._release_timeout_s = release_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
+        if api_key is not None and (not api_key.isascii() or not api_key.isprintable()):
+            raise BadRequestError("api_key must be visible ASCII")
+        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         # Where the next request's first part goes; moves on with every plan.
@@ -185,7 +191,9 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
             max_connections=self._max_connections,
             max_keepalive_connections=self._max_connections,
         )
-        client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport)
+        client = httpx.AsyncClient(
+            timeout=timeout, limits=limits, headers=self._headers, transport=self._transport
+        )
         self._client = client
         try:
             yield self
