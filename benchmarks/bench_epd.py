@@ -14,8 +14,11 @@ model's image processor, and ``generate`` greedily with its own vision tower; a 
 stamps each token. With concurrency above one, requests share the model one at a time
 (as a server without batching would); TTFT then includes waiting for it.
 
-Both run at concurrency 1 and 4 on small (the demo's 56-112 px) and larger (224-448 px)
-images. The generated tokens are compared: both sides must produce the same tokens.
+Both run at concurrency 1, 4 and 16 on small (the demo's 56-112 px) and larger (224-448 px)
+images. The generated tokens are compared: both sides must produce the same tokens. The decode
+worker batches every running request into one step over paged KV; its throughput is reported
+as tokens per second of step time (and the mean batch), beside the colocated model's tokens
+per second of ``generate`` time.
 
 On one machine with two cores there is no extra hardware for disaggregation to use, so its
 costs (HTTP, transfers, three model copies competing for the same cores) are not paid back
@@ -38,14 +41,15 @@ NEW_TOKENS = 16
 
 
 def _scenarios(options: Options) -> list[dict[str, Any]]:
-    requests = options.pick(16, 4)
     small = {"image_min_side": 56, "image_max_side": 112}
     large = {"image_min_side": 224, "image_max_side": 448}
     cells = [
         {"name": "small images, c=1", "concurrency": 1, "transfer": "zmq", **small},
         {"name": "small images, c=4", "concurrency": 4, "transfer": "zmq", **small},
+        {"name": "small images, c=16", "concurrency": 16, "transfer": "zmq", **small},
         {"name": "larger images, c=1", "concurrency": 1, "transfer": "zmq", **large},
         {"name": "larger images, c=4", "concurrency": 4, "transfer": "zmq", **large},
+        {"name": "larger images, c=16", "concurrency": 16, "transfer": "zmq", **large},
     ]
     if not options.quick:
         cells.append(
@@ -57,7 +61,8 @@ def _scenarios(options: Options) -> list[dict[str, Any]]:
             }
         )
     for cell in cells:
-        cell["requests"] = requests
+        # Two rounds of the concurrency at least, so the batch fills and drains.
+        cell["requests"] = max(options.pick(16, 4), 2 * cell["concurrency"])
     return cells
 
 
@@ -83,7 +88,17 @@ async def _disaggregated(cell: dict[str, Any]) -> dict[str, Any]:
         o.rid: {"ttft_s": o.ttft_s, "tpot_s": o.tpot_s, "tokens": list(o.tokens)}
         for o in report.outcomes
     }
-    return {"ok": report.ok, "elapsed_s": report.elapsed_s, "requests": outcomes}
+    stats = report.decode
+    return {
+        "ok": report.ok,
+        "elapsed_s": report.elapsed_s,
+        "requests": outcomes,
+        # The decode worker's throughput while it steps: tokens per second of step time.
+        "decode_tokens_per_s": stats.step_tokens / stats.step_seconds
+        if stats.step_seconds
+        else float("nan"),
+        "mean_batch": stats.step_tokens / stats.decode_steps if stats.decode_steps else 0.0,
+    }
 
 
 class _Clock:
@@ -133,10 +148,11 @@ def _colocated_one(lm: Any, lock: threading.Lock, prompt: str, urls: Sequence[st
             streamer=clock,
         )
     ttft = clock.stamps[0] - start
+    decode_s = clock.stamps[-1] - clock.stamps[0]
     tpot = None
     if len(clock.stamps) > 1:
         tpot = (clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1)
-    return {"ttft_s": ttft, "tpot_s": tpot, "tokens": clock.tokens}
+    return {"ttft_s": ttft, "tpot_s": tpot, "tokens": clock.tokens, "decode_s": decode_s}
 
 
 async def _colocated(cell: dict[str, Any], lm: Any) -> dict[str, Any]:
@@ -163,7 +179,14 @@ async def _colocated(cell: dict[str, Any], lm: Any) -> dict[str, Any]:
     async with anyio.create_task_group() as group:
         for item in planned:
             group.start_soon(one, item)
-    return {"elapsed_s": time.perf_counter() - start, "requests": results}
+    # One request decodes at a time: tokens after the first over the time spent on them.
+    decoded = sum(len(r["tokens"]) - 1 for r in results.values())
+    busy = sum(r["decode_s"] for r in results.values())
+    return {
+        "elapsed_s": time.perf_counter() - start,
+        "requests": results,
+        "decode_tokens_per_s": decoded / busy if busy else float("nan"),
+    }
 
 
 def _summary(requests: dict[str, Any]) -> dict[str, float]:
@@ -251,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
             "colocated_elapsed_s": statistics.median(r["elapsed_s"] for r in colocated),
             "demo_ok": all(run["ok"] for run in disaggregated),
             "token_parity": parity,
+            "disaggregated_decode_tokens_per_s": statistics.median(
+                r["decode_tokens_per_s"] for r in disaggregated
+            ),
+            "colocated_decode_tokens_per_s": statistics.median(
+                r["decode_tokens_per_s"] for r in colocated
+            ),
+            "mean_decode_batch": statistics.median(r["mean_batch"] for r in disaggregated),
         }
         row["ttft_ratio"] = row["disaggregated"]["ttft_p50_ms"] / row["colocated"]["ttft_p50_ms"]
         row["tpot_ratio"] = row["disaggregated"]["tpot_p50_ms"] / row["colocated"]["tpot_p50_ms"]
@@ -259,9 +289,25 @@ def main(argv: list[str] | None = None) -> int:
             f"{cell['name']:>30}: TTFT {row['disaggregated']['ttft_p50_ms']:.1f} vs "
             f"{row['colocated']['ttft_p50_ms']:.1f} ms ({row['ttft_ratio']:.2f}x), TPOT "
             f"{row['disaggregated']['tpot_p50_ms']:.2f} vs {row['colocated']['tpot_p50_ms']:.2f} "
-            f"ms ({row['tpot_ratio']:.2f}x), parity {parity}, demo ok {row['demo_ok']}"
+            f"ms ({row['tpot_ratio']:.2f}x), decode {row['disaggregated_decode_tokens_per_s']:.0f} "
+            f"vs {row['colocated_decode_tokens_per_s']:.0f} tok/s (batch "
+            f"{row['mean_decode_batch']:.1f}), parity {parity}, demo ok {row['demo_ok']}"
         )
     heads = [
+        headline(
+            f"E->P->D / colocated TPOT p50, {row['name']}",
+            row["tpot_ratio"],
+            "x",
+            note=(
+                f"TPOT {row['disaggregated']['tpot_p50_ms']:.2f} vs "
+                f"{row['colocated']['tpot_p50_ms']:.2f} ms; decode "
+                f"{row['disaggregated_decode_tokens_per_s']:.0f} tok/s while stepping (mean "
+                f"batch {row['mean_decode_batch']:.1f}) vs colocated "
+                f"{row['colocated_decode_tokens_per_s']:.0f} tok/s"
+            ),
+        )
+        for row in rows
+    ] + [
         headline(
             f"E->P->D / colocated TTFT p50, {row['name']}",
             row["ttft_ratio"],

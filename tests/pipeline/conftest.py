@@ -76,6 +76,7 @@ async def wired(
     encoder_urls: tuple[str, ...] = ("http://127.0.0.1:1",),
     release_timeout_s: float = 30.0,
     fetch_timeout_s: float = 30.0,
+    num_pages: int = 64,
 ) -> AsyncIterator[Wiring]:
     fabric = LoopbackFabric()
     async with (
@@ -90,7 +91,10 @@ async def wired(
             transport="zmq", hidden_size=lm_prefill.hidden_size, dtype=torch.float32
         )
         decode = DecodeWorker(
-            lm_decode, engine=decode_engine, num_pages=64, release_timeout_s=release_timeout_s
+            lm_decode,
+            engine=decode_engine,
+            num_pages=num_pages,
+            release_timeout_s=release_timeout_s,
         )
         prefill = PrefillWorker(
             lm_prefill,

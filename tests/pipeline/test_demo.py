@@ -78,3 +78,32 @@ async def test_an_abort_storm_leaks_nothing_and_corrupts_nothing(anyio_backend: 
     assert report.parity_failures == ()
     assert report.ok, summary
     assert len(out.getvalue().splitlines()) == 60
+
+
+@pytest.mark.anyio
+async def test_a_small_kv_pool_with_aborts_keeps_parity_and_leaks_nothing() -> None:
+    # Eight 16-token pages for up to eight requests in flight: running requests outgrow the
+    # pool and are retracted (KV backed up, pages freed) and resumed, among aborts.
+    report = await run_demo(
+        DemoOptions(
+            requests=24,
+            abort_rate=0.3,
+            new_tokens=12,
+            max_images=2,
+            concurrency=8,
+            kv_pages=8,
+            seed=3,
+            verbose=False,
+        ),
+        err=io.StringIO(),
+    )
+    summary = report.summary_line()
+    completed = [o for o in report.outcomes if o.status is DecodeStatus.COMPLETED]
+    assert completed, summary
+    assert all(o.parity and o.kv_intact for o in completed), summary
+    assert report.decode.resumptions == report.decode.retractions, summary
+    assert report.decode.draft_mismatches == 0, summary
+    assert report.leaked_pages == 0, summary
+    assert report.leaked_slots == 0, summary
+    assert report.ok, summary
+    assert f"retractions={report.decode.retractions}" in summary

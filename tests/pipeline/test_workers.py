@@ -164,3 +164,48 @@ async def test_a_prompt_larger_than_the_pages_fails_cleanly(reference_lm: Langua
     assert report.status is PrefillStatus.FAILED
     assert "do not fit" in report.error
     assert result.status is DecodeStatus.FAILED
+
+
+async def test_requests_retracted_under_memory_pressure_keep_their_tokens(
+    reference_lm: LanguageModel,
+) -> None:
+    # Each 45-token prompt lands on 3 pages and needs 5 for its 30 tokens: one fits the 7
+    # pages alone, two running together cannot, so one of them is retracted and resumed.
+    async with wired(reference_lm, num_pages=7) as w:
+        w.engine.gate.clear()
+        handles = [w.decode.admit(f"r{i}", i + 1, max_new_tokens=30) for i in range(2)]
+        async with anyio.create_task_group() as group:
+            for i in range(2):
+                group.start_soon(w.prefill.prefill, request(f"r{i}", i + 1, tokens=30))
+            for i in range(2):
+                await w.decode.wait_phase(f"r{i}", DecodePhase.TRANSFER)
+            # Both hold their pages: let both writes land, so both decode at once.
+            w.engine.gate.set()
+            results = [await handle.wait() for handle in handles]
+        stats = w.decode.stats()
+    expected = reference_lm.generate_colocated(PROMPT, [], max_new_tokens=30)
+    assert [r.status for r in results] == [DecodeStatus.COMPLETED] * 2
+    assert [list(r.tokens) for r in results] == [expected, expected]
+    assert stats.retractions >= 1
+    assert stats.resumptions == stats.retractions
+    assert sum(r.retractions for r in results) == stats.retractions
+    assert stats.pages_free == stats.pages_total
+
+
+async def test_the_first_decode_step_reads_the_draft_state_prefill_shipped(
+    reference_lm: LanguageModel,
+) -> None:
+    async with wired(reference_lm) as w:
+        handle = w.decode.admit("r", 1, max_new_tokens=3)
+        await w.prefill.prefill(request(tokens=3))
+        result = await handle.wait()
+        stats = w.decode.stats()
+    assert result.status is DecodeStatus.COMPLETED
+    ids = [token for token, _ in result.first_top]
+    logprobs = [logprob for _, logprob in result.first_top]
+    assert len(ids) == 4
+    assert ids[0] == result.tokens[0]
+    assert logprobs == sorted(logprobs, reverse=True)
+    assert all(p <= 0 for p in logprobs)
+    assert stats.draft_mismatches == 0
+    assert stats.slots_free == stats.slots_total

@@ -229,9 +229,12 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         scheduler = self._scheduler
         while True:
             scheduler.tick()
+            began = anyio.current_time()
             batch = await run_decode_step(scheduler.batcher, self._forward, limiter=self._compute)
             scheduler.collect_ended()
             if batch is not None:
+                scheduler.step_seconds += anyio.current_time() - began
+                scheduler.step_tokens += len(batch)
                 continue  # requests are running: step again at once (the step checkpointed)
             if scheduler.is_idle():
                 self._idle.set()

@@ -138,6 +138,9 @@ class DecodeScheduler:
         self.wake = anyio.Event()
         #: Draft states whose hidden state did not predict the first token they came with.
         self.draft_mismatches = 0
+        #: Time spent in batched decode steps (loop clock), and the tokens they produced.
+        self.step_seconds = 0.0
+        self.step_tokens = 0
         self._prefill: Callable[[PrefillMessage], None] | None = None
         self._polls: dict[str, KVPoll] = {}
         self._inbox: deque[DecodeMessage] = deque()
@@ -245,6 +248,8 @@ class DecodeScheduler:
             retractions=batcher.retractions,
             resumptions=batcher.resumptions,
             draft_mismatches=self.draft_mismatches,
+            step_seconds=self.step_seconds,
+            step_tokens=self.step_tokens,
         )
 
     # -- one pass ----------------------------------------------------------------------------

@@ -84,6 +84,10 @@ class DecodeStats:
     resumptions: int = 0
     #: Draft states whose hidden state did not predict their first token (counted corrupt).
     draft_mismatches: int = 0
+    #: Seconds spent in batched decode steps and the tokens they produced: their ratio is
+    #: the decode side's throughput while it works.
+    step_seconds: float = 0.0
+    step_tokens: int = 0
 
 
 @dataclass(eq=False)
