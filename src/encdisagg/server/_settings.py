@@ -61,7 +61,9 @@ class ServerSettings:
             raise BadRequestError(f"worker_log_level is not a log level: {self.worker_log_level!r}")
         if self.api_key is not None:
             ApiKey(self.api_key)
+        peers: object = self.allowed_peers
+        # A lone string would otherwise be read as a list of one-character hosts.
+        if isinstance(peers, str):
+            raise BadRequestError("allowed_peers must be a list of hosts or networks")
         if self.allowed_peers is not None:
-            if isinstance(self.allowed_peers, str):
-                raise BadRequestError("allowed_peers must be a list of hosts or networks")
             PeerAllowList.parse(self.allowed_peers)
