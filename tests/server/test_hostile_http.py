@@ -143,6 +143,24 @@ def test_every_route_but_health_and_metrics_needs_the_key(
     assert response.headers["WWW-Authenticate"] == "Bearer"
 
 
+def test_a_body_without_the_key_is_never_read(server: Server) -> None:
+    """The 401 comes before the body: a client announcing 3 MB and sending none is
+    answered at once (were the body awaited, this would time out)."""
+    url = httpx.URL(server.url)
+    assert url.port is not None
+    with socket.create_connection((url.host, url.port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /encode HTTP/1.1\r\nHost: encdisagg\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 3000000\r\n\r\n"
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(65536)
+            assert chunk, "closed without an answer"
+            head += chunk
+    assert head.startswith(b"HTTP/1.1 401 ")
+
+
 def test_health_and_metrics_need_no_key(server: Server) -> None:
     assert httpx.get(server.url + "/health", timeout=60).status_code == 200
     metrics = httpx.get(server.url + "/metrics", timeout=30)
@@ -270,7 +288,9 @@ def test_malformed_receive_urls_are_400_naming_the_field(server: Server, url: st
     assert_refused(response, 400, "receive_url[0]")
 
 
-@pytest.mark.parametrize("req_id", ["x" * 257, "a b", "caf\u00e9", "a\x01", "\u202e"])
+@pytest.mark.parametrize(
+    "req_id", ["x" * 257, "x" * 1_000_000, "a b", "caf\u00e9", "a\x01", "\u202e"], ids=repr
+)
 def test_req_ids_are_bounded_in_length_and_charset(server: Server, req_id: str) -> None:
     response = server.post("/release", {"req_id": req_id})
     assert_refused(response, 400, "req_id")
