@@ -100,7 +100,8 @@ async def test_registration_puts_a_leased_key_and_watch_sees_join_refresh_and_le
             url = registration.record.url
             await wait_for(view, lambda: url in view, "the join")
             seen = view.get(url)
-            assert seen is not None and seen.model == "null" and seen.capacity == 8
+            assert seen is not None
+            assert (seen.model, seen.capacity) == ("null", 8)
             assert seen.modalities == (Modality.IMAGE, Modality.VIDEO)
             # The key is bound to a lease.
             async with EtcdClient(parse_registry_url(registry)) as client:

@@ -14,7 +14,7 @@ import json
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import anyio
 import httpx
@@ -277,7 +277,9 @@ class EtcdClient(anyio.AsyncContextManagerMixin):
             async with client.stream("POST", "/v3/watch", json=request, timeout=timeout) as stream:
                 if stream.status_code >= 400:
                     raise RegistryUnavailableError(f"etcd refused the watch ({stream.status_code})")
-                async with aclosing(stream.aiter_lines()) as lines:
+                # Closed here, not left to the garbage collector, when a line ends the watch.
+                lines = cast("AsyncGenerator[str, None]", stream.aiter_lines())
+                async with aclosing(lines):
                     async for line in lines:
                         if len(line) > _MAX_LINE_BYTES:
                             raise RegistryUnavailableError("etcd sent an oversized watch line")
