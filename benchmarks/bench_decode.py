@@ -10,6 +10,12 @@ a scheduler does when only a few receivers changed state. The pass is one loop o
 so the time per entry should not grow with the queue: the 100k/10k ratio of the per-entry time
 should be close to 1 (and of the total time close to 10).
 
+A fourth case times one whole scheduler step above the queues: ``pop_transferred`` over the
+same mix, the committed requests appended to a :class:`DecodeBatchScheduler`'s waiting queue
+that already holds as many committed requests as the transfer queue has entries, then
+``schedule_step`` (a prebuilt batch taken from the waiting queue's prefix into a running batch
+of 64, pages reserved for the next token). It must stay linear too.
+
 A third case times a bare loop (visit each entry, look up its poll, keep it) over the same
 queue: the least any pass must do. Its own 100k/10k ratio shows what the memory hierarchy
 alone adds once the queue outgrows the CPU caches, to compare the queue's ratio against.
@@ -32,10 +38,14 @@ from pathlib import Path
 from encdisagg.decode import (
     AbortAckTracker,
     CommitStatus,
+    DecodeBatchScheduler,
+    DecodePreallocQueue,
     DecodeRequest,
     DecodeTransferQueue,
     KVPoll,
     MetadataSlotAllocator,
+    PageAllocator,
+    RunningRequest,
 )
 
 SIZES = (10_000, 100_000)
@@ -78,6 +88,47 @@ def _build(size: int) -> tuple[DecodeTransferQueue, dict[str, KVPoll], list[str]
     return queue, polls, changed
 
 
+class NullBackup:
+    """Retraction never happens in this case (the pool is large); the backup costs nothing."""
+
+    def backup(self, pages: tuple[int, ...], kv_len: int) -> object:
+        return None
+
+    def restore(self, backup: object, pages: tuple[int, ...]) -> None:
+        pass
+
+
+def _build_step(
+    size: int,
+) -> tuple[DecodeTransferQueue, DecodeBatchScheduler, dict[str, KVPoll]]:
+    """A transfer queue of ``size`` and a batch scheduler whose waiting queue holds ``size``."""
+    queue, polls, _ = _build(size)
+    pages = PageAllocator(2 * size + 64)
+    sched = DecodeBatchScheduler(
+        transfer=queue,
+        prealloc=DecodePreallocQueue(pages=pages, slots=queue.slots),
+        pages=pages,
+        page_tokens=16,
+        max_running=64,
+        kv_backup=NullBackup(),
+        clock=lambda: 0.0,
+    )
+    for index in range(size):
+        req = DecodeRequest(f"done-{index}", size + index + 1, None, 1, pages=pages.alloc(1) or ())
+        sched.add(RunningRequest(req, max_new_tokens=8, kv_len=8, first_token=1))
+    return queue, sched, polls
+
+
+def _step(
+    queue: DecodeTransferQueue, sched: DecodeBatchScheduler, polls: dict[str, KVPoll]
+) -> None:
+    for req in queue.pop_transferred(polls):
+        sched.add(RunningRequest(req, max_new_tokens=8, kv_len=0, first_token=1))
+    batch = sched.schedule_step()
+    assert batch is not None
+    assert len(batch) == 64
+
+
 def _bare_scan(queue: DecodeTransferQueue, polls: dict[str, KVPoll]) -> list[DecodeRequest]:
     """The least any pass must do: visit each entry, look up its poll, keep it."""
     kept = []
@@ -91,6 +142,18 @@ def _bare_scan(queue: DecodeTransferQueue, polls: dict[str, KVPoll]) -> list[Dec
 def _time_pass(size: int, repeats: int, case: str) -> dict[str, float | int]:
     seconds = []
     for _ in range(repeats):
+        if case == "pop_transferred_plus_prebuilt_step":
+            queue, sched, polls = _build_step(size)
+            gc.collect()
+            gc.disable()
+            try:
+                start = time.perf_counter()
+                _step(queue, sched, polls)
+                seconds.append(time.perf_counter() - start)
+            finally:
+                gc.enable()
+            assert len(sched.waiting) == size + size // 100 - 64
+            continue
         queue, polls, changed = _build(size)
         rids = set(changed) if case == "rids_to_check_1pct" else None
         # As timeit does: a collection triggered by the setup's allocations would otherwise
@@ -129,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     cases: dict[str, dict[str, object]] = {}
-    for name in ("all_checked", "rids_to_check_1pct", "bare_scan_baseline"):
+    for name in (
+        "all_checked",
+        "rids_to_check_1pct",
+        "pop_transferred_plus_prebuilt_step",
+        "bare_scan_baseline",
+    ):
         small, large = runs = [_time_pass(size, args.repeats, name) for size in SIZES]
         per_entry_ratio = float(large["per_entry_us"]) / float(small["per_entry_us"])
         cases[name] = {

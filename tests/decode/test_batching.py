@@ -468,3 +468,17 @@ async def test_a_cancelled_step_leaves_its_batch_as_before() -> None:
     assert rr.kv_len == 3
     assert rr.req.metadata_slot is not None  # the draft was not consumed
     assert core.sched.running == [rr]
+
+
+@pytest.mark.anyio
+async def test_an_inline_step_applies_its_result_then_checkpoints() -> None:
+    core = make_core()
+    [rr] = core.waiting(1, max_new_tokens=2)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        # The forward ran to its end on the loop's thread: its result stands, then the
+        # pending cancellation is delivered at the checkpoint.
+        await run_decode_step(core.sched, lambda batch: [5], in_thread=False)
+    assert scope.cancelled_caught
+    assert rr.output == [7, 5]
+    assert rr.finished is FinishReason.LENGTH

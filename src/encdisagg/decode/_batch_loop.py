@@ -21,6 +21,7 @@ async def run_decode_step(
     forward: Callable[[DecodeBatch], Sequence[int]],
     *,
     limiter: anyio.CapacityLimiter | None = None,
+    in_thread: bool = True,
 ) -> DecodeBatch | None:
     """Decide one step (:meth:`~DecodeBatchScheduler.schedule_step`), run ``forward`` on its
     batch in a worker thread, and apply the result. A checkpoint.
@@ -31,6 +32,10 @@ async def run_decode_step(
     dropped: the batch stays as it was before the step (its KV writes at ``kv_len`` are made
     again by the next step), so no request loses or duplicates a token.
 
+    With ``in_thread=False``, ``forward`` runs on the event loop's own thread (for steps so
+    short that a thread hop and the contention for the interpreter lock with the loop would
+    cost more than they spare it); the result is applied, then the call checkpoints.
+
     :return: the batch that ran, or ``None`` if no request was ready.
     """
     batch = core.schedule_step()
@@ -38,10 +43,15 @@ async def run_decode_step(
         await anyio.lowlevel.checkpoint()
         return None
     try:
-        tokens = await run_thread_to_completion(forward, batch, limiter=limiter)
+        if in_thread:
+            tokens = await run_thread_to_completion(forward, batch, limiter=limiter)
+        else:
+            tokens = forward(batch)
     except Exception as exc:
         _log.exception("a decode step of %d requests failed", len(batch))
         core.fail_batch(batch, f"decode step failed: {exc!r}")
         return batch
     core.process_batch_result_decode(batch, tokens)
+    if not in_thread:
+        await anyio.lowlevel.checkpoint()
     return batch

@@ -6,7 +6,8 @@ in the order the decode docs prescribe: resolve held releases, preallocate, hand
 prefill, pop what transferred (the decisions live in :mod:`._decode_sched`). Committed
 requests join a :class:`~encdisagg.decode.DecodeBatchScheduler`; the same task then runs one
 batched decode step of every running request over the paged KV (the model in a worker
-thread), and loops while any request runs. A request's pages are freed when it finishes. An
+thread, or inline when its steps are that short: ``LanguageModel.blocking_steps``), and loops
+while any request runs. A request's pages are freed when it finishes. An
 aborted request whose pages were handed out is held by the transfer queue until prefill's
 drained-ack for that abort's generation arrives, or ``release_timeout_s`` passes.
 """
@@ -230,7 +231,12 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         while True:
             scheduler.tick()
             began = anyio.current_time()
-            batch = await run_decode_step(scheduler.batcher, self._forward, limiter=self._compute)
+            batch = await run_decode_step(
+                scheduler.batcher,
+                self._forward,
+                limiter=self._compute,
+                in_thread=self.lm.blocking_steps,
+            )
             scheduler.collect_ended()
             if batch is not None:
                 scheduler.step_seconds += anyio.current_time() - began
@@ -244,7 +250,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
                 await scheduler.wake.wait()
             scheduler.wake = anyio.Event()
 
-    # -- decoding (worker thread) ------------------------------------------------------------
+    # -- decoding (worker thread, or inline) -----------------------------------------------
 
     def _forward(self, batch: DecodeBatch) -> list[int]:
         """One batched step; first consumes the draft states of requests new to the batch."""

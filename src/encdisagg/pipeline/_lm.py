@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from PIL import Image
     from transformers import Qwen2VLForConditionalGeneration
 
+    from ._paged_step import PagedDecoder
+
 __all__ = [
     "ByteTokenizer",
     "LanguageModel",
@@ -106,13 +108,21 @@ class LanguageModel:
         vision: Any = config.vision_config
         self._merge = int(vision.spatial_merge_size)
         self._lock = threading.Lock()
+        self._paged: PagedDecoder | None = None
+        #: Whether a decode step takes long enough to belong in a worker thread. The tiny
+        #: model's step is well under a millisecond: the decode worker runs it on the event
+        #: loop's thread, where it neither pays a thread hop nor waits for the interpreter
+        #: lock behind the loop's own Python work.
+        self.blocking_steps = True
 
     @classmethod
     def tiny(cls, seed: int | None = None) -> LanguageModel:
         """The seeded tiny Qwen2-VL whose vision tower is ``"tiny"``. Blocks ~20 ms."""
         from ..models import TINY_SEED, build_tiny_qwen2_vl
 
-        return cls(build_tiny_qwen2_vl(seed=TINY_SEED if seed is None else seed), name="tiny")
+        lm = cls(build_tiny_qwen2_vl(seed=TINY_SEED if seed is None else seed), name="tiny")
+        lm.blocking_steps = False
+        return lm
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> LanguageModel:
@@ -245,13 +255,13 @@ class LanguageModel:
         positions: Sequence[int],
         page_tables: Sequence[Sequence[int]],
     ) -> list[int]:
-        """One batched greedy decode step over paged KV (see :func:`paged_decode_step`).
-        Blocks."""
-        from ._paged_step import paged_decode_step
+        """One batched greedy decode step over paged KV (see :class:`PagedDecoder`). Blocks."""
+        from ._paged_step import PagedDecoder
 
         with self._lock, torch.inference_mode():
-            return paged_decode_step(
-                self.model,
+            if self._paged is None:
+                self._paged = PagedDecoder(self.model)
+            return self._paged.step(
                 kv_pages,
                 tokens=tokens,
                 kv_lens=kv_lens,
