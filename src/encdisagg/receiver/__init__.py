@@ -6,6 +6,8 @@
 - :class:`EmbeddingReceiver`: where the parts land, over ZMQ or into a registered Mooncake
   :class:`LandingPool`; validates and assembles them (:class:`ReceivedEmbeddings`).
 - :func:`fetch_embeddings`: both together, for one request, with cleanup on every path.
+- :class:`EncoderFleet`: encoders discovered through an etcd registry, routed by load;
+  :func:`fetch_from_fleet` fails parts over between them.
 """
 
 from types import FunctionType as _FunctionType
@@ -18,6 +20,8 @@ from ._client import (
     ZmqSendTarget as ZmqSendTarget,
 )
 from ._fetch import fetch_embeddings as fetch_embeddings
+from ._fleet import EncoderFleet as EncoderFleet
+from ._fleet_fetch import EncoderLeftError as EncoderLeftError, fetch_from_fleet as fetch_from_fleet
 from ._landing import LandingPool as LandingPool, PageRun as PageRun
 from ._messages import PartMetadata as PartMetadata
 from ._pending import PendingEmbeddings as PendingEmbeddings
@@ -55,6 +59,9 @@ __all__ = (
     "LandingPool",
     "PageRun",
     "fetch_embeddings",
+    "EncoderFleet",
+    "EncoderLeftError",
+    "fetch_from_fleet",
 )
 
 for _name in __all__:

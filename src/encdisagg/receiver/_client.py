@@ -14,6 +14,7 @@ import httpx
 
 from .._errors import BadRequestError, EncdisaggError, ServiceUnavailableError
 from .._modality import Modality
+from ._fleet import EncoderFleet
 from ._groups import first_error
 from ._messages import PartMetadata
 from ._plan import PartPlan, RequestPlan, assign_parts
@@ -136,11 +137,16 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
     :param api_key: sent as ``Authorization: Bearer <api_key>`` on every call, for
         encoders served with ``--api-key``.
     :param transport: an ``httpx`` transport to use instead of the network (tests).
+    :param registry: instead of ``urls``, an encoder fleet to discover through etcd
+        (``etcd://HOST:PORT/PREFIX``, or an :class:`EncoderFleet`): requests are then
+        planned over its live encoders, least-loaded first (see :class:`EncoderFleet`),
+        and :func:`fetch_from_fleet` fails parts over between them.
+    :param model: with ``registry``, only encoders of this model are used.
     """
 
     def __init__(
         self,
-        urls: Sequence[str],
+        urls: Sequence[str] = (),
         *,
         encode_timeout_s: float = 60.0,
         send_timeout_s: float = 60.0,
@@ -149,8 +155,16 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         max_connections: int = 64,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        registry: str | EncoderFleet | None = None,
+        model: str | None = None,
     ) -> None:
-        if isinstance(urls, str) or not urls:
+        if isinstance(registry, str):
+            registry = EncoderFleet(registry, model=model)
+        #: The discovered fleet, when built with a registry; plans then come from it.
+        self.fleet = registry
+        if registry is not None and urls:
+            raise BadRequestError("pass urls or a registry, not both")
+        if registry is None and (isinstance(urls, str) or not urls):
             raise BadRequestError("urls must be a non-empty list of encoder URLs")
         for url in urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -179,7 +193,8 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
 
     @property
     def urls(self) -> tuple[str, ...]:
-        return self._urls
+        """The encoders' URLs (with a registry: those routable now)."""
+        return self._urls if self.fleet is None else self.fleet.urls
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[EncoderClient]:
@@ -196,7 +211,11 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         )
         self._client = client
         try:
-            yield self
+            if self.fleet is None:
+                yield self
+            else:
+                async with self.fleet:
+                    yield self
         finally:
             self._client = None
             with anyio.move_on_after(self._release_timeout_s, shield=True):
@@ -210,7 +229,10 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         Successive plans start at successive encoders, so single-item requests spread too.
 
         :raises BadRequestError: naming the field (empty id, no items, unknown modality).
+        :raises ServiceUnavailableError: with a registry, no live encoder for a modality.
         """
+        if self.fleet is not None:
+            return self.fleet.plan(rid, items)
         plan = assign_parts(rid, items, self._urls, start=self._next_start)
         self._next_start = (self._next_start + 1) % len(self._urls)
         return plan

@@ -1,0 +1,179 @@
+"""The fleet end to end: real etcd, real encoder servers registering, a client watching."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from encdisagg.receiver import EmbeddingReceiver, EncoderClient, fetch_from_fleet
+from encdisagg.registry import EncoderLoad, EtcdClient
+from tests.registry._etcd_server import EtcdServer, needs_etcd
+
+from ._encoder_app import Faults
+from ._fleet_support import MODEL, etcd, expected, fleet_encoder
+
+pytestmark = [pytest.mark.anyio, needs_etcd]
+__all__ = ["etcd"]
+
+WAIT_S = 15.0
+
+
+def receiver() -> EmbeddingReceiver:
+    return EmbeddingReceiver(transport="zmq", hidden_size=MODEL.hidden_size, dtype=MODEL.dtype)
+
+
+def calls(faults: Faults, route: str) -> list[str | None]:
+    return [req_id for path, req_id in faults.calls if path == route]
+
+
+async def test_the_client_follows_encoders_joining_and_leaving(etcd: EtcdServer) -> None:
+    registry = etcd.registry()
+    async with EncoderClient(registry=registry, model="null") as client:
+        fleet = client.fleet
+        assert fleet is not None
+        assert client.urls == ()
+        async with fleet_encoder(registry) as (url_a, _, _, _):
+            with anyio.fail_after(WAIT_S):
+                await fleet.wait_for(1)
+            assert client.urls == (url_a,)
+            async with fleet_encoder(registry) as (url_b, _, _, _):
+                with anyio.fail_after(WAIT_S):
+                    await fleet.wait_for(2)
+                assert set(client.urls) == {url_a, url_b}
+            # Leaving withdrew B's key: the watch took it out.
+            with anyio.fail_after(WAIT_S):
+                while url_b in fleet.view:
+                    await fleet.view.wait_changed()
+            assert client.urls == (url_a,)
+
+
+async def test_requests_flow_over_the_fleet_byte_exact(etcd: EtcdServer) -> None:
+    registry = etcd.registry()
+    async with (
+        fleet_encoder(registry) as (_, faults_a, _, _),
+        fleet_encoder(registry) as (_, faults_b, _, _),
+        EncoderClient(registry=registry) as client,
+        receiver() as rx,
+    ):
+        assert client.fleet is not None
+        with anyio.fail_after(WAIT_S):
+            await client.fleet.wait_for(2)
+
+        async def one(index: int) -> None:
+            items = [f"img-{index}-a", f"img-{index}-b"]
+            async with fetch_from_fleet(client, rx, f"r{index}", {"image": items}) as got:
+                assert got.rid == f"r{index}"
+                parts = [expected([item]) for item in items]
+                joined = got.of("image")
+                assert joined is not None
+                assert torch.equal(joined.tensor, torch.cat(parts))
+
+        async with anyio.create_task_group() as group:
+            for index in range(8):
+                group.start_soon(one, index)
+        # Every request used both encoders (two items, two idle encoders).
+        assert len(calls(faults_a, "/send")) == len(calls(faults_b, "/send")) == 8
+        assert rx.stats().stale_parts_dropped == 0
+
+
+async def test_parts_go_where_the_reported_load_is_lowest(etcd: EtcdServer) -> None:
+    registry = etcd.registry()
+
+    async def busy() -> EncoderLoad:
+        return EncoderLoad(queue_depth=100, staged_bytes=1 << 30)
+
+    async with (
+        fleet_encoder(registry, load=busy) as (url_busy, faults_busy, _, _),
+        fleet_encoder(registry) as (url_idle, faults_idle, _, _),
+        EncoderClient(registry=registry) as client,
+        receiver() as rx,
+    ):
+        fleet = client.fleet
+        assert fleet is not None
+        with anyio.fail_after(WAIT_S):
+            await fleet.wait_for(2)
+            while fleet.load(url_busy) < 1:
+                await fleet.view.wait_changed()
+        for index in range(6):
+            async with fetch_from_fleet(client, rx, f"r{index}", {"image": ["x"]}):
+                pass
+        assert len(calls(faults_idle, "/encode")) == 6
+        assert calls(faults_busy, "/encode") == []
+        assert fleet.load(url_idle) < fleet.load(url_busy)
+
+
+async def test_a_503_is_failed_over_under_a_fresh_part_id(etcd: EtcdServer) -> None:
+    registry = etcd.registry()
+    refusing = Faults(fail={"/encode": 503})
+
+    async def light() -> EncoderLoad:
+        return EncoderLoad(0, 0)
+
+    async def heavier() -> EncoderLoad:
+        return EncoderLoad(queue_depth=4, staged_bytes=0)
+
+    async with (
+        fleet_encoder(registry, faults=refusing, load=light) as (url_a, _, _, _),
+        fleet_encoder(registry, load=heavier) as (_, faults_b, _, _),
+        EncoderClient(registry=registry) as client,
+        receiver() as rx,
+    ):
+        fleet = client.fleet
+        assert fleet is not None
+        with anyio.fail_after(WAIT_S):
+            await fleet.wait_for(2)
+        async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
+            assert torch.equal(got.parts[0].tensor, expected(["x"]))
+        assert calls(refusing, "/encode") == ["r#0"]
+        # The abandoned part was released on the encoder that refused it.
+        assert calls(refusing, "/release") == ["r#0"]
+        assert calls(faults_b, "/encode") == ["r~1#0"]
+        assert fleet.is_suspect(url_a)
+        stats = rx.stats()
+        assert (stats.parts_received, stats.stale_parts_dropped) == (1, 0)
+
+
+async def test_an_encoder_whose_lease_ends_mid_encode_is_failed_over(etcd: EtcdServer) -> None:
+    registry = etcd.registry()
+
+    async def light() -> EncoderLoad:
+        return EncoderLoad(0, 0)
+
+    async def heavier() -> EncoderLoad:
+        return EncoderLoad(queue_depth=4, staged_bytes=0)
+
+    # retry_s: once its lease is gone, the stalled encoder does not come back in this test.
+    async with (
+        fleet_encoder(registry, hold=True, load=light, retry_s=60.0) as (url_a, _, reg_a, gate),
+        fleet_encoder(registry, load=heavier) as (_, faults_b, _, _),
+        EncoderClient(registry=registry) as client,
+        receiver() as rx,
+        anyio.create_task_group() as group,
+    ):
+        fleet = client.fleet
+        assert fleet is not None
+        assert gate is not None
+        with anyio.fail_after(WAIT_S):
+            await fleet.wait_for(2)
+        done = anyio.Event()
+
+        async def fetch() -> None:
+            async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
+                assert torch.equal(got.parts[0].tensor, expected(["x"]))
+            done.set()
+
+        group.start_soon(fetch)
+        with anyio.fail_after(WAIT_S):
+            while gate.held == 0:
+                await anyio.wait_all_tasks_blocked()
+        # The encoder stalls with the part; its lease ends (revoked here, as etcd does when
+        # the TTL passes without a renewal).
+        assert reg_a._lease is not None
+        async with EtcdClient(reg_a.registry) as etcd_client:
+            await etcd_client.revoke(reg_a._lease)
+        with anyio.fail_after(WAIT_S):
+            await done.wait()
+        assert url_a not in fleet.view
+        assert calls(faults_b, "/encode") == ["r~1#0"]
+        assert rx.stats().parts_received == 1
