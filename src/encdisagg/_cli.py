@@ -66,6 +66,17 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--max-body-mb", type=int, help="largest request body (default 256)")
     parser.add_argument("--health-timeout", type=float, metavar="SECONDS")
     parser.add_argument("--worker-class", choices=("asyncio", "trio"), help="event loop")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $ENCDISAGG_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--allowed-peers",
+        metavar="HOSTS",
+        help="comma-separated hosts and networks a /send or receive URL may name (403 otherwise)",
+    )
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"))
     parser.set_defaults(handler=_serve)
 

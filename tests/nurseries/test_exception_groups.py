@@ -125,6 +125,36 @@ async def test_the_context_a_leaf_was_raised_with_is_kept() -> None:
 
 
 @pytest.mark.anyio
+async def test_an_error_that_crossed_a_group_with_a_running_child_keeps_no_group_context() -> None:
+    # A context manager whose task group runs a child while the block raises, entered through
+    # an exit stack with a task group inside: on asyncio the error came out with the group it
+    # had been wrapped in as its context. Collapsing drops that context, keeps the cause.
+    from contextlib import AsyncExitStack, asynccontextmanager
+
+    @asynccontextmanager
+    async def with_a_child() -> Any:
+        with collapse_single_error():
+            async with anyio.create_task_group() as group:
+                group.start_soon(anyio.sleep_forever)
+                try:
+                    yield
+                finally:
+                    group.cancel_scope.cancel()
+
+    async def run() -> None:
+        with collapse_single_error():
+            async with AsyncExitStack() as stack:
+                await stack.enter_async_context(with_a_child())
+                async with anyio.create_task_group():
+                    _raise_with_cause()
+
+    with pytest.raises(ValueError, match="the error") as caught:
+        await run()
+    assert isinstance(caught.value.__cause__, KeyError)
+    assert not isinstance(caught.value.__context__, BaseExceptionGroup)
+
+
+@pytest.mark.anyio
 async def test_a_group_of_two_errors_stays_a_group() -> None:
     gate = anyio.Event()
 

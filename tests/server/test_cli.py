@@ -45,6 +45,19 @@ def test_defaults_and_flags() -> None:
     assert (options.port, options.worker_class, options.log_level) == (0, "trio", "debug")
 
 
+def test_api_key_and_allowed_peers_flags_win_over_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ENCDISAGG_API_KEY", "from-env")
+    assert resolved().settings.api_key == "from-env"
+    options = resolved("--api-key", "from-flag", "--allowed-peers", "127.0.0.1, 10.0.0.0/8")
+    assert options.settings.api_key == "from-flag"
+    assert options.settings.allowed_peers is not None
+    assert len(options.settings.allowed_peers) == 2
+    monkeypatch.delenv("ENCDISAGG_API_KEY")
+    assert resolved().settings.api_key is None
+
+
 def test_toml_file_and_flags_over_it(tmp_path: Path) -> None:
     path = tmp_path / "encoder.toml"
     path.write_text(

@@ -82,6 +82,7 @@ class _CollapseSingleError:
         if exc is None:
             return False
         failure = sole_error(exc)
+        _forget_own_wrapper(failure)
         if failure is exc:
             return False
         # ``__exit__`` runs while the group is being handled, so raising here makes the group
@@ -94,6 +95,20 @@ class _CollapseSingleError:
         finally:
             failure.__context__ = saved_context
             del failure, saved_context, exc, traceback
+
+
+def _forget_own_wrapper(error: BaseException) -> None:
+    """Drop ``error.__context__`` if it is a group wrapping ``error`` itself.
+
+    Such a context says nothing about where the error came from: on asyncio, a task group
+    whose child task was still running when an error crossed it can leave the error with the
+    group it was wrapped in (further out) as its context. Its ``__cause__`` is untouched.
+    """
+    context = error.__context__
+    if isinstance(context, BaseExceptionGroup) and any(
+        leaf is error for leaf in leaf_exceptions(context)
+    ):
+        error.__context__ = None
 
 
 _COLLAPSE_SINGLE_ERROR = _CollapseSingleError()
