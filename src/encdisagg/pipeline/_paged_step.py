@@ -4,13 +4,17 @@ Every request of the batch feeds in one token. A step gathers the batch's KV thr
 tables once (all layers in one gather, padded to the longest table, the padding masked out),
 attends per layer over that KV plus each request's new key and value, and at the end writes
 every layer's new keys and values into the pages in one scatter, at position ``kv_len``.
-Norms, rotary embeddings and the MLP's activation are the model's own modules and functions;
-the query/key/value projections and the MLP's gate and up projections run as one matrix
-product each, on weights concatenated once. Few, large tensor operations keep a step short,
-and each one lets go of the interpreter lock while it runs, so a step loses little to other
-threads (prefill, encoders) working in the same process.
 
-Blocking (torch); the decode worker calls it from a worker thread, one step at a time.
+The arithmetic is the model's, bit for bit where it matters for greedy parity: its weights,
+its rotary embedding, its RMSNorm (``rms_norm`` computes it identically), ``rotate_half`` as
+an exact signed permutation. What differs is how few tensor operations a layer takes: the
+query/key/value projections run as one matrix product, the MLP's gate and up projections as
+another, RoPE rotates queries and keys together. Each operation lets other threads (prefill,
+encoders working in the same process) take the interpreter lock, and a step loses the time
+it waits to get it back, so fewer operations mean a step that other work stretches less.
+
+Blocking (torch); the decode worker calls it from a worker thread (or inline), one step at a
+time.
 """
 
 from __future__ import annotations
@@ -36,19 +40,36 @@ class PagedDecoder:
         text: Any = model.model.language_model
         self._text = text
         self._lm_head = model.lm_head
+        first = text.layers[0]
+        self._head_dim = int(first.self_attn.head_dim)
+        self._heads = int(first.self_attn.q_proj.out_features) // self._head_dim
+        self._kv_heads = int(first.self_attn.k_proj.out_features) // self._head_dim
+        self._intermediate = int(first.mlp.intermediate_size)
+        self._hidden = int(first.self_attn.q_proj.in_features)
+        self._eps = float(first.input_layernorm.variance_epsilon)
+        self._scaling = float(first.self_attn.scaling)
+        self._act = first.mlp.act_fn
         self._layers = []
         for layer in text.layers:
-            attn = layer.self_attn
-            qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-            mlp = layer.mlp
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            self._layers.append((layer, attn, qkv_weight.detach(), qkv_bias.detach(), gate_up))
-        first = text.layers[0].self_attn
-        self._head_dim = int(first.head_dim)
-        self._heads = int(first.q_proj.out_features) // self._head_dim
-        self._kv_heads = int(first.k_proj.out_features) // self._head_dim
-        self._intermediate = int(text.layers[0].mlp.intermediate_size)
+            attn, mlp = layer.self_attn, layer.mlp
+            self._layers.append(
+                (
+                    layer.input_layernorm.weight.detach(),
+                    torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                    torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+                    attn.o_proj.weight.detach(),
+                    layer.post_attention_layernorm.weight.detach(),
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    mlp.down_proj.weight.detach(),
+                )
+            )
+        # ``x @ rotation`` is the model's ``rotate_half(x)``: ``(-x2, x1)``. Each output is one
+        # input times +-1 plus exact zeros, so the product is exact.
+        half = self._head_dim // 2
+        rotation = torch.zeros((self._head_dim, self._head_dim), dtype=model.dtype)
+        rotation[half:, :half] = -torch.eye(half)
+        rotation[:half, half:] = torch.eye(half)
+        self._rotation = rotation
 
     def step(
         self,
@@ -68,8 +89,6 @@ class PagedDecoder:
         :param positions: each new token's RoPE position (the same on all three M-RoPE axes).
         :param page_tables: each request's pages, in token order; they must hold ``kv_len+1``.
         """
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
-
         batch = len(tokens)
         if not (batch == len(kv_lens) == len(positions) == len(page_tables)) or not batch:
             raise InternalError("a decode step needs one token, length, position and table each")
@@ -85,9 +104,10 @@ class PagedDecoder:
             landing.append(table[length // page_tokens])
         lens = torch.tensor(kv_lens, dtype=torch.long)
         span = widest * page_tokens
+        heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
         # Old KV of every layer at once: [layers, 2, batch, kv_heads, span, head_dim].
         old = kv_pages[torch.tensor(padded, dtype=torch.long)].permute(2, 3, 0, 4, 1, 5, 6)
-        old = old.reshape(*old.shape[:4], span, self._head_dim)
+        old = old.reshape(*old.shape[:4], span, dim)
         # Each request sees its own old tokens, then its new one (the last key).
         visible = torch.ones((batch, span + 1), dtype=torch.bool)
         visible[:, :span] = torch.arange(span).view(1, -1) < lens.view(-1, 1)
@@ -96,36 +116,40 @@ class PagedDecoder:
         text = self._text
         hidden = text.embed_tokens(torch.tensor(tokens, dtype=torch.long).view(batch, 1))
         position_ids = torch.tensor(positions, dtype=torch.long).view(1, batch, 1).expand(3, -1, -1)
+        # [batch, 1, head_dim]: broadcasts over the heads of [batch, heads, head_dim].
         cos, sin = text.rotary_emb(hidden, position_ids)
-        q_width = self._heads * self._head_dim
-        kv_width = self._kv_heads * self._head_dim
-        new_kv = []
-        for index, (layer, attn, qkv_weight, qkv_bias, gate_up) in enumerate(self._layers):
-            qkv = functional.linear(layer.input_layernorm(hidden), qkv_weight, qkv_bias)
-            query = qkv[..., :q_width]
-            key = qkv[..., q_width : q_width + kv_width]
-            value = qkv[..., q_width + kv_width :]
-            query = query.view(batch, 1, self._heads, self._head_dim).transpose(1, 2)
-            key = key.view(batch, 1, self._kv_heads, self._head_dim).transpose(1, 2)
-            value = value.view(batch, 1, self._kv_heads, self._head_dim).transpose(1, 2)
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
-            new_kv.append(torch.stack((key[:, :, 0], value[:, :, 0]), dim=1))
+        shape = (self._hidden,)
+        rotated = heads + kv_heads
+        new_kv: list[torch.Tensor] = []
+        # Few operations per layer: each one lets other threads take the interpreter lock,
+        # and waiting to get it back is what a step loses to them.
+        for index, (norm1, qkv_w, qkv_b, o_w, norm2, gate_up_w, down_w) in enumerate(self._layers):
+            normed = functional.rms_norm(hidden, shape, norm1, self._eps)
+            qkv = functional.linear(normed, qkv_w, qkv_b).view(batch, rotated + kv_heads, dim)
+            qk = qkv[:, :rotated]
+            qk = qk * cos + (qk @ self._rotation) * sin
+            key = qk[:, heads:].unsqueeze(2)
+            value = qkv[:, rotated:].unsqueeze(2)
+            new_kv += (key, value)
             out = functional.scaled_dot_product_attention(
-                query,
+                qk[:, :heads].unsqueeze(2),
                 torch.cat((old[index, 0], key), dim=2),
                 torch.cat((old[index, 1], value), dim=2),
                 attn_mask=mask,
-                scale=attn.scaling,
-                enable_gqa=self._heads != self._kv_heads,
+                scale=self._scaling,
+                enable_gqa=heads != kv_heads,
             )
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, 1, q_width))
-            gate_and_up = functional.linear(layer.post_attention_layernorm(hidden), gate_up)
-            gate = gate_and_up[..., : self._intermediate]
-            up = gate_and_up[..., self._intermediate :]
-            hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            hidden = hidden + functional.linear(out.view(batch, 1, heads * dim), o_w)
+            normed = functional.rms_norm(hidden, shape, norm2, self._eps)
+            gate_up = functional.linear(normed, gate_up_w)
+            gated = (
+                self._act(gate_up[..., : self._intermediate]) * gate_up[..., self._intermediate :]
+            )
+            hidden = hidden + functional.linear(gated, down_w)
         # Every layer's new key and value into its page: [batch, layers, 2, kv_heads, dim].
+        stacked = torch.stack(new_kv).view(len(self._layers), 2, batch, kv_heads, dim)
         kv_pages[torch.tensor(landing, dtype=torch.long), :, :, :, lens % page_tokens, :] = (
-            torch.stack(new_kv, dim=1)
+            stacked.permute(2, 0, 1, 3, 4)
         )
         logits = self._lm_head(text.norm(hidden)[:, -1])
         return [int(t) for t in logits.argmax(-1).tolist()]
