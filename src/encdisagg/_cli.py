@@ -78,6 +78,17 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="comma-separated hosts and networks a /send or receive URL may name (403 otherwise)",
     )
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"))
+    parser.add_argument(
+        "--registry",
+        metavar="URL",
+        help="register in an encoder fleet: etcd://HOST:PORT/PREFIX (docs/scaling.md)",
+    )
+    parser.add_argument(
+        "--registry-lease-ttl",
+        type=int,
+        metavar="SECONDS",
+        help="the registry lease: how long a dead server stays routable at most (default 5)",
+    )
     parser.set_defaults(handler=_serve)
 
 

@@ -26,6 +26,7 @@ from ..models import BUILTIN_MODELS
 from ._access import is_loopback_host
 from ._app import create_app
 from ._backend import SERVER_MODELS
+from ._registered import ServerRegistration
 from ._runner import serve
 from ._settings import ServerSettings
 
@@ -59,6 +60,8 @@ SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {
     "health_timeout_s": (int, float),
     "api_key": str,
     "allowed_peers": list,
+    "registry": str,
+    "registry_lease_ttl_s": int,
 }
 _DEFAULTS: Final[dict[str, Any]] = {
     "host": "127.0.0.1",
@@ -170,6 +173,7 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             else options["max_body_mb"],
             health_timeout_s=options["health_timeout_s"],
             worker_log_level=str(options["log_level"]).lower(),
+            **_registry_options(args, server),
         )
     except BadRequestError as exc:
         flags = {
@@ -178,6 +182,8 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             "health": "--health-timeout",
             "api_key": "--api-key",
             "allowed_peers": "--allowed-peers",
+            "registry_lease_ttl_s": "--registry-lease-ttl",
+            "registry": "--registry",
         }
         flag = next((f for key, f in flags.items() if exc.message.startswith(key)), "")
         raise UsageError(f"{flag}: {exc.message}" if flag else exc.message) from None
@@ -205,6 +211,18 @@ def _access_options(
     elif peers is None:
         peers = server.get("allowed_peers")
     return api_key, None if peers is None else tuple(peers)
+
+
+def _registry_options(args: argparse.Namespace, server: dict[str, Any]) -> dict[str, Any]:
+    """``--registry`` / ``server.registry`` and the lease TTL, as ServerSettings fields."""
+    options: dict[str, Any] = {}
+    registry = getattr(args, "registry", None) or server.get("registry")
+    if registry is not None:
+        options["registry"] = registry
+    ttl = getattr(args, "registry_lease_ttl", None) or server.get("registry_lease_ttl_s")
+    if ttl is not None:
+        options["registry_lease_ttl_s"] = ttl
+    return options
 
 
 def warn_if_exposed(host: str, settings: ServerSettings) -> bool:
@@ -248,14 +266,21 @@ async def _main(options: ServeOptions) -> None:
     app = create_app(config, settings=settings, flavour=options.worker_class)  # type: ignore[arg-type]
     stop = anyio.Event()
     drain_s = config.shutdown_grace_s + config.cleanup_timeout_s
-    async with anyio.create_task_group() as group:
+    # Registered once serving; on a drain its key goes first, then Hypercorn drains.
+    registration = ServerRegistration(settings, config, app.extensions["encdisagg"])
+
+    def on_serving(url: str) -> None:
+        _announce(url)
+        registration.on_serving(url)
+
+    async with anyio.create_task_group() as group, registration:
         await group.start(_watch_signals, stop, group.cancel_scope)
         await serve(
             app,
             host=options.host,
             port=options.port,
-            shutdown_trigger=stop.wait,
-            on_serving=_announce,
+            shutdown_trigger=lambda: registration.drain_after(stop.wait),
+            on_serving=on_serving,
             graceful_timeout_s=config.shutdown_grace_s,
             startup_timeout_s=settings.worker_start_timeout_s + 60.0,
             shutdown_timeout_s=2 * drain_s + 30.0,

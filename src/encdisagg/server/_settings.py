@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from .._errors import BadRequestError
+from ..registry import parse_registry_url
 from ._access import ApiKey, PeerAllowList
 
 __all__ = ["ServerSettings"]
@@ -41,6 +42,12 @@ class ServerSettings:
     #: When set, the hosts and networks (``"10.0.0.0/8"``, ``"prefill-0"``) that a
     #: ``/send`` or push destination may name; anything else is refused with 403.
     allowed_peers: tuple[str, ...] | None = None
+    #: When set (``etcd://HOST:PORT/PREFIX``), the server registers itself there for
+    #: clients that discover encoders (``EncoderClient(registry=...)``), under a lease of
+    #: ``registry_lease_ttl_s`` and with its load refreshed every ``registry_refresh_s``.
+    registry: str | None = None
+    registry_lease_ttl_s: int = 5
+    registry_refresh_s: float = 2.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -67,3 +74,7 @@ class ServerSettings:
             raise BadRequestError("allowed_peers must be a list of hosts or networks")
         if self.allowed_peers is not None:
             PeerAllowList.parse(self.allowed_peers)
+        if self.registry is not None:
+            parse_registry_url(self.registry)
+        if isinstance(self.registry_lease_ttl_s, float) or self.registry_lease_ttl_s < 2:
+            raise BadRequestError("registry_lease_ttl_s must be an integer >= 2")
