@@ -25,6 +25,7 @@ from encdisagg.decode import (
     RetractedRequest,
     RunningRequest,
     run_decode_step,
+    run_decode_step_inline,
 )
 
 from ._fakes import FakeClock, Harness, make_harness
@@ -470,15 +471,24 @@ async def test_a_cancelled_step_leaves_its_batch_as_before() -> None:
     assert core.sched.running == [rr]
 
 
-@pytest.mark.anyio
-async def test_an_inline_step_applies_its_result_then_checkpoints() -> None:
+def test_an_inline_step_runs_the_forward_on_this_thread_without_awaiting() -> None:
     core = make_core()
     [rr] = core.waiting(1, max_new_tokens=2)
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        # The forward ran to its end on the loop's thread: its result stands, then the
-        # pending cancellation is delivered at the checkpoint.
-        await run_decode_step(core.sched, lambda batch: [5], in_thread=False)
-    assert scope.cancelled_caught
+    batch = run_decode_step_inline(core.sched, lambda batch: [5])
+    assert batch is not None
     assert rr.output == [7, 5]
     assert rr.finished is FinishReason.LENGTH
+    assert run_decode_step_inline(core.sched, lambda batch: [5]) is None
+
+
+def test_an_inline_step_that_raises_fails_its_batch() -> None:
+    core = make_core()
+    [rr] = core.waiting(1)
+
+    def broken(batch: DecodeBatch) -> list[int]:
+        raise RuntimeError("forward broke")
+
+    assert run_decode_step_inline(core.sched, broken) is not None
+    assert rr.finished is FinishReason.FAILED
+    assert "forward broke" in rr.error
+    assert core.h.slots.available() == core.h.slots.size

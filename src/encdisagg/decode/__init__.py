@@ -26,7 +26,10 @@ from types import FunctionType as _FunctionType
 
 from ._acks import AbortAckTracker as AbortAckTracker
 from ._backup import PagedKVBackup as PagedKVBackup
-from ._batch_loop import run_decode_step as run_decode_step
+from ._batch_loop import (
+    run_decode_step as run_decode_step,
+    run_decode_step_inline as run_decode_step_inline,
+)
 from ._batching import (
     DecodeBatch as DecodeBatch,
     DecodeBatchScheduler as DecodeBatchScheduler,
@@ -97,6 +100,7 @@ __all__ = (
     "PagedKVBackup",
     # async shell
     "run_decode_step",
+    "run_decode_step_inline",
     "DrainAcks",
     "DecodeKVLeases",
     "KVLease",

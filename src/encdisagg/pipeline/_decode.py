@@ -26,7 +26,7 @@ import anyio.lowlevel
 import torch
 
 from .._errors import ServiceUnavailableError
-from ..decode import DecodeBatch, run_decode_step
+from ..decode import DecodeBatch, run_decode_step, run_decode_step_inline
 from ._decode_sched import DecodeScheduler
 from ._decode_types import DecodeJob, DecodePhase, DecodeResult, DecodeStats
 from ._lm import LanguageModel
@@ -84,6 +84,9 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
     :param release_timeout_s: how long an aborted request's pages wait for prefill's
         drained-ack at most.
     :param max_running: requests decoded together in one batched step at most.
+    :param step_burst_s: with steps run inline (``lm.blocking_steps`` false), how long the
+        worker steps back to back before it lets the event loop's other tasks run: longer
+        bursts cost new requests that much latency and save the running ones the loop's turns.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         metadata_slots: int = 64,
         release_timeout_s: float = 30.0,
         max_running: int = 64,
+        step_burst_s: float = 0.005,
     ) -> None:
         self.lm = lm
         self.engine = engine
@@ -125,6 +129,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
             num_pages, *lm.kv_page_shape(page_tokens)
         )
         self.release_timeout_s = release_timeout_s
+        self.step_burst_s = step_burst_s
         self._idle = anyio.Event()
         self._group: anyio.abc.TaskGroup | None = None
         self._open = False
@@ -228,20 +233,29 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
 
     async def _schedule(self) -> None:
         scheduler = self._scheduler
+        yielded_at = anyio.current_time()
         while True:
             scheduler.tick()
             began = anyio.current_time()
-            batch = await run_decode_step(
-                scheduler.batcher,
-                self._forward,
-                limiter=self._compute,
-                in_thread=self.lm.blocking_steps,
-            )
+            if self.lm.blocking_steps:
+                batch = await run_decode_step(
+                    scheduler.batcher, self._forward, limiter=self._compute
+                )
+            else:
+                batch = run_decode_step_inline(scheduler.batcher, self._forward)
             scheduler.collect_ended()
             if batch is not None:
-                scheduler.step_seconds += anyio.current_time() - began
+                now = anyio.current_time()
+                scheduler.step_seconds += now - began
                 scheduler.step_tokens += len(batch)
-                continue  # requests are running: step again at once (the step checkpointed)
+                # Requests are running: step again. Inline steps give the event loop its
+                # turn once per ``step_burst_s`` (every turn costs the batch the time the
+                # loop's other tasks take); a threaded step checkpointed already.
+                if not self.lm.blocking_steps and now - yielded_at >= self.step_burst_s:
+                    await anyio.lowlevel.checkpoint()
+                    yielded_at = anyio.current_time()
+                    scheduler.step_seconds += yielded_at - now
+                continue
             if scheduler.is_idle():
                 self._idle.set()
             deadline = scheduler.transfer.next_deadline()
@@ -249,6 +263,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
             with anyio.move_on_after(timeout):
                 await scheduler.wake.wait()
             scheduler.wake = anyio.Event()
+            yielded_at = anyio.current_time()
 
     # -- decoding (worker thread, or inline) -----------------------------------------------
 

@@ -70,6 +70,25 @@ class PagedDecoder:
         rotation[half:, :half] = -torch.eye(half)
         rotation[:half, half:] = torch.eye(half)
         self._rotation = rotation
+        rotary = text.rotary_emb
+        # With the same position on all three M-RoPE axes, the sections the model interleaves
+        # are equal, so cos and sin are plain RoPE's: computed here in a few operations, with
+        # the model's own frequencies and scaling (the same arithmetic, in the same order).
+        self._rotary = rotary
+        self._plain_rope = getattr(rotary, "rope_type", None) == "default"
+
+    def _rope(self, hidden: torch.Tensor, positions: Sequence[int]) -> tuple[Any, Any]:
+        batch = len(positions)
+        if not self._plain_rope:
+            ids = torch.tensor(positions, dtype=torch.long).view(1, batch, 1).expand(3, -1, -1)
+            return self._rotary(hidden, ids)  # type: ignore[no-any-return]
+        rotary = self._rotary
+        freqs = torch.tensor(positions, dtype=torch.long).view(batch, 1, 1).float() * (
+            rotary.inv_freq.float()
+        )
+        freqs = torch.cat((freqs, freqs), dim=-1)
+        scaling = rotary.attention_scaling
+        return (freqs.cos() * scaling).to(hidden.dtype), (freqs.sin() * scaling).to(hidden.dtype)
 
     def step(
         self,
@@ -115,9 +134,8 @@ class PagedDecoder:
 
         text = self._text
         hidden = text.embed_tokens(torch.tensor(tokens, dtype=torch.long).view(batch, 1))
-        position_ids = torch.tensor(positions, dtype=torch.long).view(1, batch, 1).expand(3, -1, -1)
         # [batch, 1, head_dim]: broadcasts over the heads of [batch, heads, head_dim].
-        cos, sin = text.rotary_emb(hidden, position_ids)
+        cos, sin = self._rope(hidden, positions)
         shape = (self._hidden,)
         rotated = heads + kv_heads
         new_kv: list[torch.Tensor] = []
