@@ -159,6 +159,12 @@ BENCHES: tuple[Bench, ...] = (
         _models_headlines,
     ),
     Bench("epd", "bench_epd.py", "E->P->D vs colocated TTFT/TPOT", _own_args),
+    Bench(
+        "fleet",
+        "bench_fleet.py",
+        "etcd-discovered fleet: 1-3 encoders, host death to removal",
+        _own_args,
+    ),
 )
 
 
