@@ -129,6 +129,12 @@ BENCHES: tuple[Bench, ...] = (
         result="server",
     ),
     Bench(
+        "hostile",
+        "bench_hostile.py",
+        "peak RSS and /health while 200 encodes of 1280x720 images run",
+        _own_args,
+    ),
+    Bench(
         "decode",
         "bench_decode.py",
         "decode queue compaction, 10k and 100k entries",

@@ -135,6 +135,19 @@ class EncoderConfig:
     allow_local_files: bool = True
     #: Global embedding cache (Mooncake Store) URL; ``None`` turns it off.
     global_cache: str | None = None
+    # Media and memory budgets, decided before anything is decoded (docs/security.md).
+    #: Most items in one ``encode`` request; more is a 400 naming ``mm_items``.
+    max_items_per_request: int = 128
+    #: Most source pixels of one image or video frame, from its header: a JPEG over it is
+    #: decoded reduced to fit, anything else is a 400. ``None``: four times the model's
+    #: ``max_pixels``, and at least a 4K UHD frame (3840x2160).
+    max_image_pixels: int | None = None
+    #: Most pixels of one request's items as the model sees them (after its resize): a
+    #: 400 past it; video frames are sampled, while decoding, to fit what is left.
+    max_request_pixels: int = 16_777_216
+    #: Bound on preprocessed inputs waiting for (or in) a forward, in MiB; while over it,
+    #: new encodes answer 503 with ``Retry-After``. ``None``: unbounded.
+    queued_memory_limit_mb: int | None = 256
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -194,6 +207,13 @@ class EncoderConfig:
                 f"staged_memory_limit_mb must be at least 1 or null; "
                 f"got {self.staged_memory_limit_mb}"
             )
+        for name in ("max_items_per_request", "max_request_pixels"):
+            if getattr(self, name) < 1:
+                raise BadRequestError(f"{name} must be at least 1; got {getattr(self, name)}")
+        for name in ("max_image_pixels", "queued_memory_limit_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise BadRequestError(f"{name} must be at least 1 or null; got {value}")
 
     @property
     def arena_bytes(self) -> int:

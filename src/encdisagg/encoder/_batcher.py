@@ -52,11 +52,17 @@ class ForwardJob:
     abandoned: bool = False
     #: When the job entered the queue (``anyio.current_time()``), for the queue metric.
     queued_at: float = 0.0
+    #: Called once, on the event loop, when the batcher is done with the job (run, skipped
+    #: or failed): from then on nothing of the batcher's holds its inputs.
+    on_finish: Callable[[], None] | None = None
 
     def finish(self, output: torch.Tensor | None, error: BaseException | None) -> None:
         self.output = output
         self.error = error
         self.done.set()
+        on_finish, self.on_finish = self.on_finish, None
+        if on_finish is not None:
+            on_finish()
 
 
 class Batcher:

@@ -9,6 +9,7 @@ concurrent requests of one modality into one worker-thread call.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import anyio
 import torch
@@ -21,12 +22,15 @@ from .._errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from .._modality import Modality
 from ..cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin, relabel_items
 from ..models import Preprocessed, VisionModel
+from ..models._media_limits import MediaLimits
 from ..nurseries import run_thread_to_completion
 from ._batcher import Batcher, ForwardJob, check_token_count
 from ._cache import PrefixCache
 from ._events import EncoderEvents
+from ._queued import QueuedInputs, feature_bytes
 from ._staged import calls_block
 from ._types import EncodeRequest
 
@@ -34,6 +38,56 @@ __all__ = ["ComputePath"]
 
 #: Called with the preprocessed sizes as soon as they are known (early metadata).
 OnPreprocessed = Callable[[Preprocessed], None]
+Preprocess = Callable[[Sequence[object], Modality], Preprocessed]
+
+
+def media_limits(config: EncoderConfig) -> MediaLimits:
+    """The media budgets ``config`` sets for every request."""
+    return MediaLimits(
+        max_items=config.max_items_per_request,
+        max_image_pixels=config.max_image_pixels,
+        max_request_pixels=config.max_request_pixels,
+    )
+
+
+def _limited_preprocess(model: VisionModel, limits: MediaLimits) -> Preprocess:
+    """``model.preprocess`` with the config's budgets, for a model that takes them."""
+    if getattr(model, "accepts_media_limits", False) is True:
+        return partial(model.preprocess, limits=limits)  # type: ignore[call-arg]
+    return model.preprocess
+
+
+class _Holding:
+    """The queued-input bytes one :meth:`ComputePath.run` holds, given back when it ends,
+    or, if it left jobs behind in the batcher (cancelled), when the last of them finished."""
+
+    __slots__ = ("_pending", "_queued", "nbytes")
+
+    def __init__(self, queued: QueuedInputs) -> None:
+        self._queued = queued
+        self.nbytes = 0
+        #: Jobs left in the batcher; while any is, the bytes stay held.
+        self._pending = 0
+
+    def add(self, nbytes: int) -> None:
+        self._queued.hold(nbytes)
+        self.nbytes += nbytes
+
+    def outlive(self, jobs: Sequence[ForwardJob]) -> None:
+        """Keep the bytes held until each unfinished job of ``jobs`` finished."""
+        for job in jobs:
+            if not job.done.is_set():
+                self._pending += 1
+                job.on_finish = self._job_finished
+
+    def _job_finished(self) -> None:
+        self._pending -= 1
+        self.release()
+
+    def release(self) -> None:
+        if self._pending == 0:
+            self._queued.give_back(self.nbytes)
+            self.nbytes = 0
 
 
 class ComputePath:
@@ -72,6 +126,12 @@ class ComputePath:
         self._keys = keys
         self._inline = not calls_block(model)
         self._limiter = anyio.CapacityLimiter(config.preprocess_threads)
+        #: Held while a request preprocesses; its admission is decided once it holds one.
+        self._slots = anyio.CapacityLimiter(config.preprocess_threads)
+        self._limits = media_limits(config)
+        self._preprocess = _limited_preprocess(model, self._limits)
+        #: Preprocessed bytes waiting for (or in) a forward, against queued_memory_limit_mb.
+        self.queued = QueuedInputs(config.queued_memory_limit_mb)
 
     @property
     def model(self) -> VisionModel:
@@ -85,33 +145,60 @@ class ComputePath:
     async def run(
         self, request: EncodeRequest, on_preprocessed: OnPreprocessed
     ) -> tuple[torch.Tensor, Preprocessed, bool]:
+        """Compute ``request``'s rows. A checkpoint unless :attr:`inline`.
+
+        Decided before anything is decoded: more than ``max_items_per_request`` items is a
+        400; arriving while queued inputs are at ``queued_memory_limit_mb``, a 503. Once
+        admitted, the request waits (at most ``request_timeout_s``) for room under that
+        budget before it preprocesses. Its preprocessed bytes count against the budget
+        until its forward ends (or, cancelled, until the batcher let go of its job).
+        """
+        try:
+            self._limits.check_items(len(request.items))
+        except BadRequestError as exc:
+            raise BadRequestError(
+                f"req_id {request.req_id!r}: {exc.message}", req_id=request.req_id
+            ) from None
+        holding = _Holding(self.queued)
+        try:
+            return await self._run(request, on_preprocessed, holding)
+        finally:
+            holding.release()
+
+    async def _run(
+        self, request: EncodeRequest, on_preprocessed: OnPreprocessed, holding: _Holding
+    ) -> tuple[torch.Tensor, Preprocessed, bool]:
         if self._global is not None:
-            rows, pre = await self._encode_items(request)
+            rows, pre = await self._encode_items(request, holding)
             on_preprocessed(pre)
             return rows, pre, False
-        pre = await self.preprocess(request)
+        pre = await self.preprocess(request, holding=holding)
         on_preprocessed(pre)
         cached = self._cache_lookup(request.req_id, pre)
         if cached is not None:
             return cached, pre, True
-        (output,) = await self.forward(request, [pre])
+        (output,) = await self.forward(request, [pre], holding)
         self._cache_insert(pre, output)
         return output, pre, False
 
     async def preprocess(
-        self, request: EncodeRequest, indices: Sequence[int] | None = None
+        self,
+        request: EncodeRequest,
+        indices: Sequence[int] | None = None,
+        *,
+        holding: _Holding | None = None,
     ) -> Preprocessed:
         """Preprocess the request's items (only those at ``indices`` if given; errors then
-        still name items by their place in the request)."""
+        still name items by their place in the request). With ``holding``, a model called
+        in worker threads is admitted against the queued-input budget first, and the
+        result's bytes are counted in ``holding``."""
         start = 0.0 if self._inline else anyio.current_time()
         items = request.items if indices is None else [request.items[i] for i in indices]
         try:
             if self._inline:
-                pre = self._model.preprocess(items, request.kind)
+                pre = self._preprocess(items, request.kind)
             else:
-                pre = await run_thread_to_completion(
-                    self._model.preprocess, items, request.kind, limiter=self._limiter
-                )
+                pre = await self._preprocess_in_thread(request, items, holding)
         except EncdisaggError as exc:
             if indices is None:
                 raise
@@ -131,21 +218,58 @@ class ComputePath:
             self._events.phase("preprocess", anyio.current_time() - start)
         return pre
 
+    async def _preprocess_in_thread(
+        self, request: EncodeRequest, items: Sequence[object], holding: _Holding | None
+    ) -> Preprocessed:
+        if holding is None:
+            return await run_thread_to_completion(
+                self._preprocess, items, request.kind, limiter=self._limiter
+            )
+        # Refused on arrival while the budget is used up. Once admitted, a request waits
+        # for room (what finished preprocessing meanwhile may have filled the budget)
+        # rather than failing: its body is already here, and a refusal would only have the
+        # client send it again.
+        self.queued.check_admission(request.req_id)
+        async with self._slots:
+            try:
+                with anyio.fail_after(self._config.request_timeout_s):
+                    await self.queued.wait_for_room()
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"req_id {request.req_id!r}: preprocessed inputs stayed at "
+                    f"queued_memory_limit_mb for {self._config.request_timeout_s} s",
+                    req_id=request.req_id,
+                ) from None
+            pre = await run_thread_to_completion(
+                self._preprocess, items, request.kind, limiter=self._limiter
+            )
+            holding.add(feature_bytes(pre.features))
+        return pre
+
     async def forward(
-        self, request: EncodeRequest, batch: Sequence[Preprocessed]
+        self,
+        request: EncodeRequest,
+        batch: Sequence[Preprocessed],
+        holding: _Holding | None = None,
     ) -> list[torch.Tensor]:
         """Forward each element of ``batch`` (the batcher may fuse them with each other and
-        with other requests' jobs); every output's row count is checked."""
+        with other requests' jobs); every output's row count is checked. If cancelled, the
+        jobs are left to the batcher, which skips them, and ``holding`` stays held until
+        it is done with them."""
         batcher = self.batcher
         if batcher is None:
             return self._forward_inline(request, batch)
         jobs = [ForwardJob(request.req_id, request.kind, pre) for pre in batch]
         start = anyio.current_time()
+        #: Jobs the batcher took; only those are sure to finish (a cancelled submit may or
+        #: may not have delivered its job: counted out, its bytes are given back early).
+        submitted: list[ForwardJob] = []
         try:
             for job in jobs:
                 try:
                     with anyio.fail_after(self._config.request_timeout_s):
                         await batcher.submit(job)
+                    submitted.append(job)
                 except TimeoutError:
                     raise RequestTimeoutError(
                         f"req_id {request.req_id!r}: the encode queue stayed full for "
@@ -158,6 +282,8 @@ class ComputePath:
             # The batcher skips jobs nobody waits for any more.
             for job in jobs:
                 job.abandoned = True
+            if holding is not None:
+                holding.outlive(submitted)
             raise
         self._events.phase("queue+forward", anyio.current_time() - start)
         outputs = []
@@ -238,7 +364,9 @@ class ComputePath:
 
     # -- per item, through both cache tiers (config.global_cache set) ------------------------
 
-    async def _encode_items(self, request: EncodeRequest) -> tuple[torch.Tensor, Preprocessed]:
+    async def _encode_items(
+        self, request: EncodeRequest, holding: _Holding
+    ) -> tuple[torch.Tensor, Preprocessed]:
         """Key each item; take local hits, then global hits; preprocess and forward only the
         rest; assemble in item order; insert what was computed (global: in the background).
         Global-tier failures never fail the request (see docs/cache.md)."""
@@ -259,17 +387,19 @@ class ComputePath:
         # Items that name their content elsewhere (files, URLs) are keyed by preprocessing
         # them alone; the result is reused for their forward if they miss.
         for index in plan.unkeyed():
-            plan.key_by_preprocessing(index, await self.preprocess(request, [index]))
+            plan.key_by_preprocessing(
+                index, await self.preprocess(request, [index], holding=holding)
+            )
         self._local_lookup(request.req_id, plan)
         for key, item in (await global_cache.lookup(plan.open_keys())).items():
             plan.fill(key, item, Origin.GLOBAL)
         self._events.phase("cache_lookup", anyio.current_time() - start)
         group = plan.to_preprocess()
         if group:
-            plan.set_preprocessed(group, await self.preprocess(request, group))
+            plan.set_preprocessed(group, await self.preprocess(request, group, holding=holding))
         batch = plan.forward_batch()
         if batch:
-            plan.set_outputs(await self.forward(request, batch))
+            plan.set_outputs(await self.forward(request, batch, holding))
         device = getattr(self._model, "device", None)
         tensor, token_counts, grid = plan.assemble(
             device if isinstance(device, torch.device) else torch.device("cpu")

@@ -26,6 +26,7 @@ from .._errors import BadRequestError, InternalError
 from .._modality import Modality
 from ._grids import grid_tokens
 from ._media import MediaPolicy, item_label, load_image, load_video
+from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
 from ._protocol import Preprocessed, split_embedding
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ __all__ = ["QwenVisionModel", "VIDEO_MAX_PIXELS", "VIDEO_MIN_PIXELS"]
 VIDEO_MIN_PIXELS: Final = 128 * 28 * 28
 VIDEO_MAX_PIXELS: Final = 768 * 28 * 28
 VIDEO_CONFIG_NAME: Final = "video_preprocessor_config.json"
+#: Video frames handed to the image processor per call.
+_FRAMES_PER_CALL: Final = 8
 
 # Keys of ``Preprocessed.features`` this model writes and reads.
 PIXEL_VALUES: Final = "pixel_values"
@@ -99,6 +102,8 @@ class QwenVisionModel:
     :param media: which media items may be and where they may come from.
     :param video_min_pixels: fewest pixels a video frame is resized to.
     :param video_max_pixels: most pixels a video frame is resized to.
+    :param limits: the media budgets of a request whose caller passes none (defaults:
+        :class:`~._media_limits.MediaLimits`).
     :raises BadRequestError: naming ``model`` if ``tower`` is no supported vision tower or the
         processor's patch sizes do not match the tower's.
     """
@@ -112,6 +117,7 @@ class QwenVisionModel:
         media: MediaPolicy | None = None,
         video_min_pixels: int = VIDEO_MIN_PIXELS,
         video_max_pixels: int = VIDEO_MAX_PIXELS,
+        limits: MediaLimits | None = None,
     ) -> None:
         model_type = getattr(tower.config, "model_type", None)
         if model_type not in _OUTPUT_WIDTH_KEYS:
@@ -137,6 +143,11 @@ class QwenVisionModel:
         self._processor_config: dict[str, Any] = image_processor.to_dict()
         self._merge_size = int(image_processor.merge_size)
         self._video_size = {"shortest_edge": video_min_pixels, "longest_edge": video_max_pixels}
+        self._limits = limits or MediaLimits()
+        factor = int(image_processor.patch_size) * self._merge_size
+        size = image_processor.size
+        self._image_rule = ResizeRule(factor, int(size["shortest_edge"]), int(size["longest_edge"]))
+        self._video_rule = ResizeRule(factor, video_min_pixels, video_max_pixels)
         self._threads = threading.local()
         self._threads.processor = image_processor
         identity = hashlib.sha256()
@@ -209,17 +220,33 @@ class QwenVisionModel:
             self._threads.processor = processor
         return processor
 
-    def preprocess(self, items: Sequence[object], modality: Modality | str) -> Preprocessed:
+    #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
+    accepts_media_limits: Final = True
+
+    @property
+    def media_limits(self) -> MediaLimits:
+        """The budgets ``preprocess`` applies when its caller passes none."""
+        return self._limits
+
+    def preprocess(
+        self,
+        items: Sequence[object],
+        modality: Modality | str,
+        *,
+        limits: MediaLimits | None = None,
+    ) -> Preprocessed:
         """Decode and preprocess one request's images or videos. Blocks on CPU work, file
         reads and (when enabled) media downloads.
 
         Each image item becomes one ``(1, h, w)`` grid row; each video item one
         ``(t, h, w)`` row. The result's ``cache_key`` hashes the pixel values, the grid and
-        :attr:`identity`.
+        :attr:`identity`. The budgets (``limits``, else :attr:`media_limits`) are checked
+        against each item's header before it is decoded.
 
         :raises BadRequestError: naming ``modality`` for one this model does not encode,
-            ``mm_items`` if ``items`` is not a list, or ``mm_items[i]`` for an item that cannot
-            be fetched, decoded or preprocessed.
+            ``mm_items`` if ``items`` is not a list or has more than ``max_items``, or
+            ``mm_items[i]`` for an item that cannot be fetched, decoded or preprocessed,
+            or that passes a budget.
         """
         modality = Modality.parse(modality)
         if modality not in self.modalities:
@@ -230,15 +257,16 @@ class QwenVisionModel:
             )
         if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
             raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
+        budget = self._budget(limits or self._limits, len(items))
         processor = self._processor()
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
         for index, item in enumerate(items):
             if modality is Modality.IMAGE:
-                image = load_image(item, index, self._media)
+                image = load_image(item, index, self._media, budget=budget)
                 values, grid = self._image_patches(processor, image, index)
             else:
-                frames = load_video(item, index, self._media)
+                frames = load_video(item, index, self._media, budget=budget)
                 values, grid = self._video_patches(processor, frames, index)
             pixel_values.append(values)
             grids.append(grid)
@@ -253,6 +281,16 @@ class QwenVisionModel:
             grid=rows,
             features=features,
             cache_key=self._cache_key(features, rows),
+        )
+
+    def _budget(self, limits: MediaLimits, count: int) -> PixelBudget:
+        limits.check_items(count)
+        image_pixels = limits.max_image_pixels or derived_image_pixels(self._image_rule.max_pixels)
+        return PixelBudget(
+            limits,
+            image_pixels=image_pixels,
+            image_rule=self._image_rule,
+            video_rule=self._video_rule,
         )
 
     def _image_patches(
@@ -275,20 +313,30 @@ class QwenVisionModel:
                     f"{label}[{number}]: frame is {frame.size[0]}x{frame.size[1]}, but the "
                     f"video's first frame is {first[0]}x{first[1]}"
                 )
-        try:
-            out = processor(images=frames, size=self._video_size, return_tensors="pt")
-        except (ValueError, TypeError) as exc:
-            raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
-        per_frame: torch.Tensor = out[PIXEL_VALUES]
-        _, grid_h, grid_w = (int(size) for size in out["image_grid_thw"][0].tolist())
         temporal = int(processor.temporal_patch_size)
         patch = int(processor.patch_size)
         frame_count = len(frames)
+        grid_h = grid_w = channels = 0
+        kept: list[torch.Tensor] = []
+        # A few frames per processor call: its float copies of a whole long video at once
+        # would cost several times the memory of the result (each frame is independent).
+        for start in range(0, frame_count, _FRAMES_PER_CALL):
+            chunk = frames[start : start + _FRAMES_PER_CALL]
+            try:
+                out = processor(images=chunk, size=self._video_size, return_tensors="pt")
+            except (ValueError, TypeError) as exc:
+                raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
+            per_frame: torch.Tensor = out[PIXEL_VALUES]
+            _, grid_h, grid_w = (int(size) for size in out["image_grid_thw"][0].tolist())
+            channels = per_frame.shape[1] // (temporal * patch * patch)
+            # The image processor repeats each frame over the temporal slots of its patch;
+            # keep one slot per frame: [frames, patches, channels, patch*patch].
+            shaped = per_frame.view(len(chunk), grid_h * grid_w, channels, temporal, patch * patch)
+            kept.append(shaped[:, :, :, 0].contiguous())
+            del out, per_frame, shaped
         patches = grid_h * grid_w
-        channels = per_frame.shape[1] // (temporal * patch * patch)
-        # The image processor repeats each frame over the temporal slots of its patch; keep
-        # one slot per frame: [frames, patches, channels, patch*patch].
-        single = per_frame.view(frame_count, patches, channels, temporal, patch * patch)[:, :, :, 0]
+        single = torch.cat(kept) if len(kept) > 1 else kept[0]
+        del kept
         if pad := -frame_count % temporal:
             single = torch.cat([single, single[-1:].expand(pad, -1, -1, -1)])
         grid_t = single.shape[0] // temporal

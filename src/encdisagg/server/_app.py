@@ -307,8 +307,16 @@ def _json_response(payload: object, status: int = 200) -> Response:
     return response
 
 
+#: Seconds a 503 asks its client to wait before trying again.
+_RETRY_AFTER_S: Final = "1"
+
+
 def _error_response(status: int, message: str, req_id: str | None) -> Response:
-    return _json_response({"status": "error", "message": message, "req_id": req_id}, status)
+    response = _json_response({"status": "error", "message": message, "req_id": req_id}, status)
+    if status == 503:
+        # Over a memory budget, shutting down, no live worker: all pass; say when to retry.
+        response.headers["Retry-After"] = _RETRY_AFTER_S
+    return response
 
 
 def _http_error_response(exc: HTTPException, limit: int) -> Response:

@@ -26,6 +26,7 @@ from ..models import BUILTIN_MODELS
 from ._access import is_loopback_host
 from ._app import create_app
 from ._backend import SERVER_MODELS
+from ._malloc import return_large_frees_to_the_os
 from ._registered import ServerRegistration
 from ._runner import serve
 from ._settings import ServerSettings
@@ -301,6 +302,8 @@ def run_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     warn_if_exposed(options.host, options.settings)
+    # Before anything large is allocated: freed bodies and images go back to the system.
+    return_large_frees_to_the_os()
     try:
         anyio.run(_main, options, backend=options.worker_class)
     except OSError as exc:
