@@ -35,10 +35,12 @@ def expected(items: list[str]) -> torch.Tensor:
 
 
 class Hold:
-    """ASGI middleware: holds every ``/encode`` until :meth:`open`, then answers 503."""
+    """ASGI middleware: holds every ``/encode`` until :meth:`open`, then answers 503
+    (``refuse``) or serves it."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, refuse: bool) -> None:
         self.app = app
+        self.refuse = refuse
         self.held = 0
         self._gate = anyio.Event()
 
@@ -51,6 +53,9 @@ class Hold:
             return
         self.held += 1
         await self._gate.wait()
+        if not self.refuse:
+            await self.app(scope, receive, send)
+            return
         headers = [(b"content-type", b"application/json")]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": b'{"status":"error","message":"held"}'})
@@ -61,11 +66,12 @@ async def fleet_encoder(
     registry: str,
     *,
     faults: Faults | None = None,
-    hold: bool = False,
+    hold: str | None = None,
     load: Callable[[], Awaitable[EncoderLoad]] | None = None,
     retry_s: float = 0.1,
 ) -> AsyncIterator[tuple[str, Faults, Registration, Hold | None]]:
-    """An encoder server registered under ``registry`` for the block."""
+    """An encoder server registered under ``registry`` for the block; ``hold``
+    (``"refuse"`` or ``"serve"``) puts a :class:`Hold` in front of it."""
     faults = faults or Faults()
     config = EncoderConfig(request_timeout_s=30.0, send_timeout_s=30.0)
     async with Encoder(config, model=NullVisionModel()) as encoder:
@@ -75,7 +81,7 @@ async def fleet_encoder(
             return EncoderLoad(stats.live_requests, stats.staged_bytes)
 
         app: Any = FaultyApp(encoder, faults)
-        gate = Hold(app) if hold else None
+        gate = None if hold is None else Hold(app, refuse=hold == "refuse")
         async with serve_asgi(gate or app) as url:
             record = EncoderRecord(
                 url=url, model="null", modalities=ALL, transfers=("zmq",), capacity=8

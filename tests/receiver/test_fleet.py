@@ -145,7 +145,7 @@ async def test_an_encoder_whose_lease_ends_mid_encode_is_failed_over(etcd: EtcdS
 
     # retry_s: once its lease is gone, the stalled encoder does not come back in this test.
     async with (
-        fleet_encoder(registry, hold=True, load=light, retry_s=60.0) as (url_a, _, reg_a, gate),
+        fleet_encoder(registry, hold="refuse", load=light, retry_s=60.0) as (url_a, _, reg_a, gate),
         fleet_encoder(registry, load=heavier) as (_, faults_b, _, _),
         EncoderClient(registry=registry) as client,
         receiver() as rx,
@@ -177,3 +177,52 @@ async def test_an_encoder_whose_lease_ends_mid_encode_is_failed_over(etcd: EtcdS
         assert url_a not in fleet.view
         assert calls(faults_b, "/encode") == ["r~1#0"]
         assert rx.stats().parts_received == 1
+
+
+async def test_a_draining_encoder_takes_no_new_parts_and_finishes_its_own(
+    etcd: EtcdServer,
+) -> None:
+    registry = etcd.registry()
+
+    async def light() -> EncoderLoad:
+        return EncoderLoad(0, 0)
+
+    async def heavier() -> EncoderLoad:
+        return EncoderLoad(queue_depth=4, staged_bytes=0)
+
+    async with (
+        fleet_encoder(registry, hold="serve", load=light) as (url_a, faults_a, reg_a, gate),
+        fleet_encoder(registry, load=heavier) as (url_b, faults_b, _, _),
+        EncoderClient(registry=registry) as client,
+        receiver() as rx,
+        anyio.create_task_group() as group,
+    ):
+        fleet = client.fleet
+        assert fleet is not None
+        assert gate is not None
+        with anyio.fail_after(WAIT_S):
+            await fleet.wait_for(2)
+        done = anyio.Event()
+
+        async def fetch() -> None:
+            async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
+                assert torch.equal(got.parts[0].tensor, expected(["x"]))
+            done.set()
+
+        group.start_soon(fetch)
+        with anyio.fail_after(WAIT_S):
+            while gate.held == 0:
+                await anyio.wait_all_tasks_blocked()
+        # The encoder drains: it says so, then its key goes; its part is still in flight.
+        await reg_a.withdraw()
+        with anyio.fail_after(WAIT_S):
+            while url_a in fleet.view:
+                await fleet.view.wait_changed()
+        assert url_a in fleet.view.drained
+        assert fleet.urls == (url_b,)
+        gate.open()
+        with anyio.fail_after(WAIT_S):
+            await done.wait()
+        # Finished where it was, not failed over.
+        assert calls(faults_a, "/send") == ["r#0"]
+        assert calls(faults_b, "/encode") == []

@@ -63,11 +63,13 @@ def test_registry_url_rejects_what_it_cannot_use(url: str, part: str) -> None:
 def test_record_round_trips_and_decodes_strictly() -> None:
     loaded = record().with_load(EncoderLoad(queue_depth=3, staged_bytes=4096))
     assert EncoderRecord.from_json(loaded.to_json()) == loaded
+    assert EncoderRecord.from_json(loaded.as_draining().to_json()).draining
     body = loaded.to_json()
     for bad, field in [
         (body.replace(b'"v":1', b'"v":2'), "version"),
         (body.replace(b'"capacity":8', b'"capacity":0'), "capacity"),
         (body.replace(b'"queue_depth":3', b'"queue_depth":true'), "queue_depth"),
+        (body.replace(b'"draining":false', b'"draining":0'), "draining"),
         (body.replace(b'"modalities":["image","video"]', b'"modalities":["smell"]'), "modal"),
         (body[:-1] + b',"extra":1}', "extra"),
         (b"[]", "object"),

@@ -14,7 +14,8 @@ synchronous decision over that view, made when a request is planned:
   fixed list of URLs (:func:`~encdisagg.receiver.assign_parts`).
 
 An encoder that failed a call (connection lost, 503) is suspected until it publishes a new
-record or ``suspect_s`` passes; an encoder whose lease ran out leaves the view.
+record or ``suspect_s`` passes; a draining encoder takes no new parts; an encoder whose
+lease ran out leaves the view.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
             and (self.transfer is None or self.transfer in record.transfers)
             and (modality is None or modality in record.modalities)
             and record.url not in exclude
+            and not record.draining
             and not self.is_suspect(record.url, now)
         ]
 

@@ -160,12 +160,18 @@ async def _gather(
         delivered.add(part.part_idx)
 
     async def watch_departures() -> None:
-        # A lease that ran out removes its encoder from the view: stop waiting on it.
+        # A lease that ran out removes its encoder from the view: stop waiting on it. One
+        # that drained said so first and finishes what it holds: its calls run on.
+        view = fleet.view
         while True:
             for part in plan.parts:
-                if part.part_idx not in delivered and part.url not in fleet.view:
+                if (
+                    part.part_idx not in delivered
+                    and part.url not in view
+                    and part.url not in view.drained
+                ):
                     raise EncoderLeftError(part.url, pending.rid)
-            await fleet.view.wait_changed()
+            await view.wait_changed()
 
     async def wait() -> None:
         # Ends the attempt early with the request's own error (an error part, a bad header).

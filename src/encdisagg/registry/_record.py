@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -16,7 +17,17 @@ RECORD_VERSION: Final = 1
 #: Largest record accepted from the registry.
 MAX_RECORD_BYTES: Final = 64 * 1024
 _FIELDS: Final = frozenset(
-    {"v", "url", "model", "modalities", "transfers", "capacity", "queue_depth", "staged_bytes"}
+    {
+        "v",
+        "url",
+        "model",
+        "modalities",
+        "transfers",
+        "capacity",
+        "queue_depth",
+        "staged_bytes",
+        "draining",
+    }
 )
 
 
@@ -52,6 +63,8 @@ class EncoderRecord:
     :ivar transfers: the transfer kinds it delivers with (``"zmq"``, ``"mooncake"``).
     :ivar capacity: encodes it runs at once (batch size times workers): load is measured
         against it.
+    :ivar draining: it is shutting down: it takes no new parts, and finishes those it has
+        (its key is deleted next; a client does not fail over what it still delivers).
     """
 
     url: str
@@ -60,6 +73,7 @@ class EncoderRecord:
     transfers: tuple[str, ...]
     capacity: int
     load: EncoderLoad = field(default_factory=EncoderLoad)
+    draining: bool = False
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -67,9 +81,10 @@ class EncoderRecord:
         _count(self.capacity, "capacity", minimum=1)
 
     def with_load(self, load: EncoderLoad) -> EncoderRecord:
-        return EncoderRecord(
-            self.url, self.model, self.modalities, self.transfers, self.capacity, load
-        )
+        return dataclasses.replace(self, load=load)
+
+    def as_draining(self) -> EncoderRecord:
+        return dataclasses.replace(self, draining=True)
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
@@ -81,6 +96,7 @@ class EncoderRecord:
             "capacity": self.capacity,
             "queue_depth": self.load.queue_depth,
             "staged_bytes": self.load.staged_bytes,
+            "draining": self.draining,
         }
         return json.dumps(body, separators=(",", ":")).encode()
 
@@ -104,7 +120,9 @@ class EncoderRecord:
         if set(body) != _FIELDS:
             odd = sorted(set(body) ^ _FIELDS)
             raise BadRequestError(f"encoder record: unknown or missing field {odd[0]!r}")
-        url, model = body["url"], body["model"]
+        url, model, draining = body["url"], body["model"], body["draining"]
+        if not isinstance(draining, bool):
+            raise BadRequestError("encoder record: draining must be true or false")
         if not isinstance(url, str) or not isinstance(model, str) or not model:
             raise BadRequestError("encoder record: url and model must be strings")
         modalities = tuple(
@@ -121,4 +139,5 @@ class EncoderRecord:
                 queue_depth=_count(body["queue_depth"], "queue_depth"),
                 staged_bytes=_count(body["staged_bytes"], "staged_bytes"),
             ),
+            draining=draining,
         )

@@ -107,7 +107,8 @@ class Registration(anyio.AsyncContextManagerMixin):
                     group.cancel_scope.cancel()
 
     async def withdraw(self) -> None:
-        """Stop renewing, delete the key, revoke the lease: routing stops first.
+        """Stop renewing, mark the record draining, delete the key, revoke the lease:
+        routing stops first, and clients let the parts in flight here finish.
 
         A checkpoint; shielded and bounded (``timeout_s`` per etcd call), so it completes
         even if the caller is cancelled. A failure is logged: the lease then expires on its
@@ -122,7 +123,11 @@ class Registration(anyio.AsyncContextManagerMixin):
         lease, self._lease = self._lease, None
         with anyio.CancelScope(shield=True):
             try:
-                with anyio.fail_after(2 * self._timeout_s):
+                with anyio.fail_after(3 * self._timeout_s):
+                    if lease is not None:
+                        # Said first, so clients let the parts in flight here finish.
+                        draining = self.record.as_draining()
+                        await self._etcd.put(self.key, draining.to_json(), lease=lease)
                     await self._etcd.delete(self.key)
                     if lease is not None:
                         await self._etcd.revoke(lease)

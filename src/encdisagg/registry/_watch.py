@@ -46,6 +46,8 @@ class RegistryView:
         #: When (``anyio.current_time()``) each encoder last joined or left the view.
         self.joined_at: dict[str, float] = {}
         self.left_at: dict[str, float] = {}
+        #: Encoders whose last record before they left said they were draining.
+        self.drained: set[str] = set()
         self._changed = anyio.Event()
 
     @property
@@ -86,9 +88,9 @@ class RegistryView:
             if record is not None:
                 fresh[record.url] = record
         for url in self._records.keys() - fresh.keys():
-            self.left_at[url] = now
+            self._left(url, now)
         for url in fresh.keys() - self._records.keys():
-            self.joined_at[url] = now
+            self._joined(url, now)
         self._records = fresh
         self.revision = revision
         self._wake()
@@ -102,19 +104,25 @@ class RegistryView:
             name = self._name(event.key)
             if name is None:
                 continue
-            if event.kind == "delete":
-                if self._records.pop(name, None) is not None:
-                    self.left_at[name] = now
-                continue
-            record = self._decode(event.key, event.value)
+            record = None if event.kind == "delete" else self._decode(event.key, event.value)
             if record is None:
-                if self._records.pop(name, None) is not None:
-                    self.left_at[name] = now
+                if name in self._records:
+                    self._left(name, now)
+                    del self._records[name]
                 continue
             if name not in self._records:
-                self.joined_at[name] = now
+                self._joined(name, now)
             self._records[name] = record
         self._wake()
+
+    def _left(self, url: str, now: float) -> None:
+        self.left_at[url] = now
+        if self._records[url].draining:
+            self.drained.add(url)
+
+    def _joined(self, url: str, now: float) -> None:
+        self.joined_at[url] = now
+        self.drained.discard(url)
 
     def set_connected(self, connected: bool) -> None:
         if connected != self.connected:

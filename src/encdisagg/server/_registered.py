@@ -122,6 +122,10 @@ class ServerRegistration(anyio.AsyncContextManagerMixin):
         if self._settings.registry is None:
             yield self
             return
+        # In the serve process every httpx call is a registry call: an INFO line per lease
+        # renewal would repeat every second or two.
+        httpx_log = logging.getLogger("httpx")
+        httpx_log.setLevel(max(logging.WARNING, httpx_log.getEffectiveLevel()))
         async with anyio.create_task_group() as group:
             await group.start(self._register)
             try:
