@@ -83,6 +83,26 @@ def _decode_headlines(data: dict[str, Any]) -> list[dict[str, Any]]:
             note=f"a bare scan of the same queue: {base:.2f}x" if base else "",
         )
     )
+    step = data["cases"].get("pop_transferred_plus_prebuilt_step")
+    if step:
+        small, large = step["runs"]
+        rows.append(
+            headline(
+                "decode step (pop_transferred + prebuilt batch): per-entry time 100k / 10k",
+                step["per_entry_ratio_100k_vs_10k"],
+                "x",
+                note=f"{small['min_s'] * 1e3:.2f} ms at 10k, {large['min_s'] * 1e3:.2f} ms at 100k",
+            )
+        )
+    rows.extend(
+        headline(
+            f"batched decode, tiny model, {row['batch']} requests",
+            row["tokens_per_s"],
+            "tokens/s",
+            note=f"{row['step_ms']:.2f} ms per step",
+        )
+        for row in data.get("batched_decode", ())
+    )
     return rows
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 import random
 import sys
-from collections.abc import Sequence
-from contextlib import AsyncExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
@@ -127,6 +127,8 @@ async def run_demo(
     planned = await run_thread_to_completion(_plan, options)
     started = anyio.current_time()
     async with AsyncExitStack() as stack:
+        if options.torch_threads is not None:
+            stack.enter_context(_torch_threads(options.torch_threads))
         prefill_engine, decode_engine = await _open_engines(stack, options.transfer)
         encoders: list[Encoder] = []
         urls: list[str] = []
@@ -238,6 +240,19 @@ async def run_demo(
         for outcome in outcomes:
             print(request_line(outcome), file=out)
     return report
+
+
+@contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` for the block (a process-wide setting)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 async def _open_engines(

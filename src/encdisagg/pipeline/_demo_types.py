@@ -36,6 +36,10 @@ class DemoOptions:
     kv_pages: int = 512
     #: Requests decoded together in one batched step at most.
     max_running: int = 64
+    #: Intra-op threads of torch for the run (``None``: leave torch's setting). The pipeline
+    #: runs several compute threads at once (encoders, prefill, decode); on a machine with
+    #: few cores, one intra-op thread each keeps them from crowding each other out.
+    torch_threads: int | None = None
     #: Print one line per request.
     verbose: bool = True
 
@@ -52,6 +56,7 @@ class DemoOptions:
             ("release_timeout_s", self.release_timeout_s > 0),
             ("kv_pages", self.kv_pages >= 1),
             ("max_running", self.max_running >= 1),
+            ("torch_threads", self.torch_threads is None or self.torch_threads >= 1),
         )
         for name, ok in checks:
             if not ok:
