@@ -334,6 +334,23 @@ class TestRetraction:
         assert tail.output == [7, 5]
         assert core.pages.available() == 2
 
+    def test_an_aborted_retracted_request_ends_without_resuming(self) -> None:
+        core = make_core(pages=4, max_running=4)
+        _, _, c, d = core.waiting(4, kv_len=3, max_new_tokens=6)
+        run_step(core)
+        run_step(core)
+        assert core.sched.retracted == [d, c]
+        core.sched.request_abort(d)
+
+        run_step(core)
+
+        assert d.finished is FinishReason.ABORTED
+        assert d in core.sched.take_ended()
+        assert [r.rid for r in core.prealloc.retracted] == [c.rid]
+        assert core.sched.retracted == [c]
+        assert d.req.metadata_slot is None
+        assert core.backup.restores == []
+
     # Seed: resume_retracted_reqs_compacts_queue_in_one_pass (the KV reload)
     def test_resume_retracted_compacts_the_queue_in_one_pass_and_reloads_kv(self) -> None:
         allocator = PageAllocator(4)
