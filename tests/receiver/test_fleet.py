@@ -6,7 +6,12 @@ import anyio
 import pytest
 import torch
 
-from encdisagg.receiver import EmbeddingReceiver, EncoderClient, fetch_from_fleet
+from encdisagg.receiver import (
+    EmbeddingReceiver,
+    EncoderClient,
+    fetch_embeddings,
+    fetch_from_fleet,
+)
 from encdisagg.registry import EncoderLoad, EtcdClient
 from tests.registry._etcd_server import EtcdServer, needs_etcd
 
@@ -74,6 +79,9 @@ async def test_requests_flow_over_the_fleet_byte_exact(etcd: EtcdServer) -> None
                 group.start_soon(one, index)
         # Every request used both encoders (two items, two idle encoders).
         assert len(calls(faults_a, "/send")) == len(calls(faults_b, "/send")) == 8
+        # The plain fetch plans over the fleet too (without failover).
+        async with fetch_embeddings(client, rx, "plain", {"image": ["p"]}) as got:
+            assert torch.equal(got.parts[0].tensor, expected(["p"]))
         assert rx.stats().stale_parts_dropped == 0
 
 

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from encdisagg import BadRequestError, Modality, ServiceUnavailableError
-from encdisagg.receiver import EncoderFleet
+from encdisagg.receiver import EncoderClient, EncoderFleet
 from encdisagg.registry import EncoderLoad, EncoderRecord, KeyValue
 
 pytestmark = pytest.mark.anyio
@@ -130,3 +130,19 @@ async def test_a_suspicion_ends_after_suspect_s() -> None:
         fleet.plan("r", {"image": ["a"]})
     await anyio.sleep(5.0)
     assert fleet.plan("r", {"image": ["a"]}).parts[0].url == "http://127.0.0.1:1"
+
+
+async def test_the_client_takes_urls_or_a_registry() -> None:
+    with pytest.raises(BadRequestError, match="not both"):
+        EncoderClient(["http://127.0.0.1:1"], registry=REGISTRY)
+    with pytest.raises(BadRequestError, match="urls"):
+        EncoderClient()
+    with pytest.raises(BadRequestError, match="scheme"):
+        EncoderClient(registry="http://127.0.0.1:2379")
+    fleet = EncoderFleet(REGISTRY)
+    client = EncoderClient(registry=fleet)
+    assert client.fleet is fleet
+    publish(fleet, record(1), record(2, depth=1))
+    # Plans come from the fleet.
+    assert client.plan("r", {"image": ["a"]}).parts[0].url == "http://127.0.0.1:1"
+    assert client.urls == ("http://127.0.0.1:1", "http://127.0.0.1:2")
