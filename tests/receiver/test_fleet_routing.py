@@ -6,9 +6,10 @@ from collections import Counter
 
 import anyio
 import pytest
+import torch
 
 from encdisagg import BadRequestError, Modality, ServiceUnavailableError
-from encdisagg.receiver import EncoderClient, EncoderFleet
+from encdisagg.receiver import EmbeddingReceiver, EncoderClient, EncoderFleet, fetch_from_fleet
 from encdisagg.registry import EncoderLoad, EncoderRecord, KeyValue
 
 pytestmark = pytest.mark.anyio
@@ -146,3 +147,15 @@ async def test_the_client_takes_urls_or_a_registry() -> None:
     # Plans come from the fleet.
     assert client.plan("r", {"image": ["a"]}).parts[0].url == "http://127.0.0.1:1"
     assert client.urls == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+
+
+async def test_fetch_from_fleet_needs_a_registry_and_sane_options() -> None:
+    receiver = EmbeddingReceiver(transport="zmq", hidden_size=8, dtype=torch.float16)
+    with pytest.raises(BadRequestError, match="registry"):
+        async with fetch_from_fleet(EncoderClient(["http://127.0.0.1:1"]), receiver, "r", {}):
+            pass
+    fleet_client = EncoderClient(registry=REGISTRY)
+    for options in ({"max_attempts": 0}, {"timeout_s": 0}):
+        with pytest.raises(BadRequestError, match=next(iter(options))):
+            async with fetch_from_fleet(fleet_client, receiver, "r", {}, **options):
+                pass

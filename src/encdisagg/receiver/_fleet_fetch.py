@@ -22,7 +22,7 @@ from typing import Final
 
 import anyio
 
-from .._errors import RequestTimeoutError, ServiceUnavailableError
+from .._errors import BadRequestError, RequestTimeoutError, ServiceUnavailableError
 from .._modality import Modality
 from ._client import TIMED_OUT, UNREACHABLE, EncoderCallError, EncoderClient
 from ._fleet import EncoderFleet
@@ -94,11 +94,16 @@ async def fetch_from_fleet(
     :raises EncoderCallError: a failure that another encoder would not cure (400...), or
         the last one once the attempts are used up.
     :raises ServiceUnavailableError: no live encoder is left for a modality.
+    :raises BadRequestError: ``client`` has no registry, or the options are invalid.
     :raises RequestTimeoutError: the embeddings did not arrive within ``timeout_s``.
     """
     fleet = client.fleet
     if fleet is None:
-        raise ServiceUnavailableError("fetch_from_fleet needs an EncoderClient(registry=...)")
+        raise BadRequestError("fetch_from_fleet needs an EncoderClient(registry=...)")
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise BadRequestError(f"max_attempts must be an integer >= 1; got {max_attempts!r}")
+    if not timeout_s > 0:
+        raise BadRequestError(f"timeout_s must be a positive number; got {timeout_s!r}")
     excluded: set[str] = set()
     embeddings: ReceivedEmbeddings | None = None
     attempt_stack = AsyncExitStack()
