@@ -16,9 +16,19 @@ from encdisagg.registry import RegistryWatcher
 
 from ._etcd_server import EtcdServer, free_port, needs_etcd
 from ._serve_process import start_serve
-from ._waits import wait_for
+from ._waits import WAIT_S, wait_for
 
 pytestmark = [pytest.mark.anyio, needs_etcd]
+
+
+async def inflight_transfers(http: httpx.AsyncClient) -> int:
+    """The server's own count of deliveries in progress (its /metrics)."""
+    text = (await http.get("/metrics")).text
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("encdisagg_inflight_transfers ")
+    )
 
 
 async def test_serve_registers_refreshes_its_load_and_withdraws_before_draining(
@@ -28,7 +38,7 @@ async def test_serve_registers_refreshes_its_load_and_withdraws_before_draining(
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "serve.toml"
         # A push to an endpoint nobody listens on stays in flight for zmq_send_timeout_s.
-        config.write_text("[encoder]\nzmq_send_timeout_s = 2.0\nshutdown_grace_s = 10.0\n")
+        config.write_text("[encoder]\nzmq_send_timeout_s = 3.0\nshutdown_grace_s = 10.0\n")
         async with RegistryWatcher(registry) as watcher:
             await watcher.wait_synced()
             view = watcher.view
@@ -63,17 +73,22 @@ async def test_serve_registers_refreshes_its_load_and_withdraws_before_draining(
                         )
                         answers.append(reply.status_code)
 
+                    # The load refresh shows the staged request.
+                    await wait_for(
+                        view,
+                        lambda: (r := view.get(url)) is not None and r.load.staged_bytes > 0,
+                        "the load refresh",
+                    )
                     async with anyio.create_task_group() as group:
                         group.start_soon(send)
-                        # The load refresh shows the request held while its push waits.
-                        await wait_for(
-                            view,
-                            lambda: (r := view.get(url)) is not None and r.load.staged_bytes > 0,
-                            "the load refresh",
-                        )
+                        # Its push waits for a receiver that never comes: in flight.
+                        with anyio.fail_after(WAIT_S):
+                            while await inflight_transfers(http) == 0:
+                                pass
                         server.terminate()
                         await wait_for(view, lambda: url not in view, "the withdrawal")
-                        # The key went first: the send is still in flight.
+                        # The key went first (saying it drains): the send is still in flight.
+                        assert url in view.drained
                         assert answers == []
                     # Then the drain let it finish (its push timed out: an error answer).
                     assert len(answers) == 1
