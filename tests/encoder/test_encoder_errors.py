@@ -114,3 +114,41 @@ async def test_abandon_of_an_unseen_id_still_refuses_its_encode(make_encoder: Ma
         # Refused once: the abandon is used up.
         await encoder.encode(request("early"))
         await encoder.release("early")
+
+
+# -- a failed encode keeps nothing of its request alive ------------------------------------
+
+
+class _Bulky:
+    """Stands in for a large decoded item (weakly referenceable, unlike bytes)."""
+
+
+class _RefusesBulky(ScriptedModel):
+    # Called inline: an idle worker thread keeps its last call's outcome (and so that
+    # call's error and traceback) until its next call, which is AnyIO's, not the table's.
+    blocking = False
+
+    def preprocess(self, items, modality):  # type: ignore[no-untyped-def]
+        if any(isinstance(item, _Bulky) for item in items):
+            raise ValueError("mm_items[0]: too large")
+        return super().preprocess(items, modality)
+
+
+async def test_a_remembered_failure_does_not_keep_its_request_alive(
+    make_encoder: MakeEncoder,
+) -> None:
+    import gc
+    import weakref
+
+    bulky = _Bulky()
+    watch = weakref.ref(bulky)
+    async with make_encoder(model=_RefusesBulky()) as encoder:
+        with pytest.raises(BadRequestError, match="too large"):
+            await encoder.encode(EncodeRequest("big", [bulky]))
+        del bulky
+        gc.collect()
+        # The id is still remembered (a late waiter gets the error) ...
+        with pytest.raises(BadRequestError, match="too large"):
+            await encoder.wait_metadata("big")
+        # ... but not through the raised error's traceback, which held the request's items.
+        assert watch() is None

@@ -310,7 +310,7 @@ class TableMachine(RuleBasedStateMachine):
             ended = not live and self.ended.holds(req_id, now)
             assert self.table.ended(req_id) == ended, req_id
             if ended:
-                assert self.table.ended_error(req_id) is self.ended_errors[req_id]
+                assert _same_error(self.table.ended_error(req_id), self.ended_errors[req_id])
             else:
                 assert self.table.ended_error(req_id) is None
             assert self.table.abandoned(req_id) == self.abandoned.holds(req_id, now), req_id
@@ -363,7 +363,11 @@ def test_an_abandon_after_a_failure_leaves_the_retry_alone() -> None:
     record.phase, record.error = Phase.FAILED, error
     assert record.request_release()
     table.retire(record)
-    assert table.ended_error("a") is error
+    remembered = table.ended_error("a")
+    assert _same_error(remembered, error)
+    # Remembered detached: no traceback, no cause, so nothing the request held stays alive.
+    assert remembered is not None
+    assert (remembered.__traceback__, remembered.__cause__) == (None, None)
     assert table.abandon("a") is None
     assert not table.abandoned("a")
     retry = table.admit(request("a"))
@@ -460,3 +464,15 @@ def test_enough_distinct_destinations_release_the_request() -> None:
     fixed = RequestRecord(request("b"), phase=Phase.STAGED, receive_count=1)
     fixed.note_delivered("x", 3)
     assert not fixed.accepting
+
+
+def _same_error(remembered: object, expected: object) -> bool:
+    """The table remembers a detached copy: same type, message and id."""
+    if expected is None:
+        return remembered is None
+    assert isinstance(expected, InternalError)
+    return (
+        type(remembered) is type(expected)
+        and getattr(remembered, "message", None) == expected.message
+        and getattr(remembered, "req_id", None) == expected.req_id
+    )

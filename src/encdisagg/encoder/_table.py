@@ -133,6 +133,18 @@ class _Retired:
 _ENTRY_OVERHEAD: Final = 256
 
 
+def _detached(error: EncdisaggError | None) -> EncdisaggError | None:
+    """What is remembered of an ended request's error: its type, message and id only.
+
+    The error that was raised holds a traceback (and maybe a cause with one), and so every
+    frame it passed through with their locals: the request's body and decoded media among
+    them. Remembered as it is, a refused 20 MB body would stay resident for
+    ``remember_s``."""
+    if error is None:
+        return None
+    return type(error)(error.message, req_id=error.req_id)
+
+
 def _cost(req_id: str, error: EncdisaggError | None) -> int:
     """What remembering ``req_id`` (and ``error``) holds, in bytes; an estimate, but one
     that grows with the client's text (the id, the message quoting it)."""
@@ -284,6 +296,7 @@ class RequestTable:
     def _remember(self, req_id: str, error: EncdisaggError | None) -> None:
         retired = self._retired
         self._forget_retired(req_id)
+        error = _detached(error)
         cost = _cost(req_id, error)
         if cost > self._byte_limit:
             return
