@@ -407,9 +407,9 @@ def _release_waits(calls: list[Callable[..., Any]]) -> int:
     return sum(call.__module__ == "encdisagg.transfer._zmq_release" for call in calls)
 
 
-async def test_a_zero_copy_send_returns_once_zmq_released_the_payload(
-    tracking: _TrackingContext, thread_calls: list[Callable[..., Any]]
-) -> None:
+async def _send_before_anyone_listens(tracking: _TrackingContext) -> None:
+    """One zero-copy send to a URL nobody listens at yet; a receiver comes once ZMQ holds the
+    payload. Checks the send returned only once ZMQ let go, and the bytes arrived."""
     url = _free_tcp_url()
     tensor = torch.randn(TRACKED, 16).half()
     outcome: list[bool] = []
@@ -429,11 +429,17 @@ async def test_a_zero_copy_send_returns_once_zmq_released_the_payload(
                 assert outcome == []
                 async with ZmqReceiver(url) as rx:
                     part = await rx.receive()
-        assert outcome == [True]
-        assert part.tensor is not None
-        assert torch.equal(part.tensor, tensor)
-        # The payload view's finalizer woke the send: no polling, no worker thread.
-        assert _release_waits(thread_calls) == 0
+    assert outcome == [True]
+    assert part.tensor is not None
+    assert torch.equal(part.tensor, tensor)
+
+
+async def test_a_zero_copy_send_returns_once_zmq_released_the_payload(
+    tracking: _TrackingContext, thread_calls: list[Callable[..., Any]]
+) -> None:
+    await _send_before_anyone_listens(tracking)
+    # The payload view's finalizer woke the send: no polling, no worker thread.
+    assert _release_waits(thread_calls) == 0
 
 
 async def test_a_send_still_held_after_the_grace_waits_for_the_release_in_one_thread(
@@ -444,26 +450,8 @@ async def test_a_send_still_held_after_the_grace_waits_for_the_release_in_one_th
     # A grace of 0: the finalizer's wake-up is not waited for, as for a receiver that is slow
     # for longer than the grace. One worker thread then waits on the tracker.
     monkeypatch.setattr("encdisagg.transfer._zmq_release._SIGNAL_GRACE_S", 0)
-    url = _free_tcp_url()
-    tensor = torch.randn(TRACKED, 16).half()
-    outcome: list[bool] = []
-    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
-
-        async def send() -> None:
-            await pool.send(url, _header("r", TRACKED), payload_view(tensor))
-            outcome.append(tracking.trackers[0].done)
-
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(send)
-                await anyio.wait_all_tasks_blocked()
-                assert outcome == []
-                async with ZmqReceiver(url) as rx:
-                    part = await rx.receive()
-        assert outcome == [True]
-        assert part.tensor is not None
-        assert torch.equal(part.tensor, tensor)
-        assert _release_waits(thread_calls) == 1
+    await _send_before_anyone_listens(tracking)
+    assert _release_waits(thread_calls) == 1
 
 
 async def test_a_cancelled_zero_copy_send_returns_only_after_the_release(
