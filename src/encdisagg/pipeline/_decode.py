@@ -221,7 +221,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
                 for rid in list(self._scheduler.jobs):
                     self.abort(rid)
                 # Keep scheduling until every page is back: held pages wait for their acks
-                # (or their deadline), decodes for their thread.
+                # (or their deadline), aborted running requests for the step they are in.
                 with anyio.move_on_after(self.release_timeout_s + 5.0, shield=True):
                     await self.wait_idle()
                 if not self._scheduler.is_idle():
@@ -254,7 +254,6 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
                 if not self.lm.blocking_steps and now - yielded_at >= self.step_burst_s:
                     await anyio.lowlevel.checkpoint()
                     yielded_at = anyio.current_time()
-                    scheduler.step_seconds += yielded_at - now
                 continue
             if scheduler.is_idle():
                 self._idle.set()
