@@ -209,3 +209,16 @@ async def test_the_first_decode_step_reads_the_draft_state_prefill_shipped(
     assert all(p <= 0 for p in logprobs)
     assert stats.draft_mismatches == 0
     assert stats.slots_free == stats.slots_total
+
+
+async def test_steps_in_a_worker_thread_give_the_same_tokens(reference_lm: LanguageModel) -> None:
+    # A model whose steps block runs them in a worker thread; the tokens do not change.
+    async with wired(reference_lm) as w:
+        w.decode.lm.blocking_steps = True
+        handles = [w.decode.admit(f"r{i}", i + 1, max_new_tokens=6) for i in range(2)]
+        async with anyio.create_task_group() as group:
+            for i in range(2):
+                group.start_soon(w.prefill.prefill, request(f"r{i}", i + 1))
+            results = [await handle.wait() for handle in handles]
+    expected = reference_lm.generate_colocated(PROMPT, [], max_new_tokens=6)
+    assert [list(r.tokens) for r in results] == [expected, expected]
