@@ -136,6 +136,15 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--encoders", type=int, help="encoder servers to start (2)")
     parser.add_argument("--concurrency", type=int, help="requests in flight at once (4)")
     parser.add_argument("--max-images", type=int, help="most images per request (3)")
+    parser.add_argument(
+        "--kv-pages",
+        type=int,
+        metavar="N",
+        help="pages of the decode side's KV pool (512); a few force retractions",
+    )
+    parser.add_argument(
+        "--max-running", type=int, metavar="N", help="requests decoding in one batch at most (64)"
+    )
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--quiet", action="store_true", help="no per-request lines")
     parser.add_argument(

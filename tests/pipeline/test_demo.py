@@ -24,6 +24,21 @@ def test_the_cli_demo_keeps_parity_over_zmq(capsys: pytest.CaptureFixture[str]) 
     assert "3/3" in captured.err  # the progress bar
 
 
+def test_the_cli_kv_pages_flag_forces_retractions_and_keeps_parity(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["demo", "--requests", "12", "--concurrency", "6", "--new-tokens", "40"]
+    status = main([*argv, "--kv-pages", "8", "--max-running", "4", "--quiet"])
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert status == 0, summary
+    fields = dict(field.split("=", 1) for field in summary.removeprefix("demo: ").split())
+    assert int(fields["retractions"]) > 0, summary
+    assert (fields["leaked_pages"], fields["leaked_slots"], fields["kv_corrupt"]) == ("0",) * 3
+    assert fields["parity"] == "ok"
+    assert main(["demo", "--kv-pages", "0"]) == 2
+    assert "kv_pages" in capsys.readouterr().err
+
+
 def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--abort-rate", "1.5"]) == 2
     assert "abort_rate" in capsys.readouterr().err

@@ -25,6 +25,8 @@ _FIELDS = {
     "encoders": "encoders",
     "concurrency": "concurrency",
     "max_images": "max_images",
+    "kv_pages": "kv_pages",
+    "max_running": "max_running",
 }
 
 
