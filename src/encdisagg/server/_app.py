@@ -15,9 +15,9 @@ import dataclasses
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 import anyio
 from quart import Blueprint, Quart, Response, current_app, request
@@ -31,6 +31,7 @@ from ._access import ApiKey, PeerAllowList
 from ._backend import Backend, LocalBackend
 from ._dp import DataParallelBackend
 from ._json import decode_body, shown
+from ._lifespan import ServiceLifespan
 from ._messages import (
     EncodeBody,
     MetadataBody,
@@ -328,66 +329,6 @@ def _http_error_response(exc: HTTPException, limit: int) -> Response:
     return _error_response(status, message, None)
 
 
-def _describe(exc: BaseException) -> str:
-    """``exc``'s message; for an exception group, its leaves' messages."""
-    if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe(inner) for inner in exc.exceptions)
-    return str(exc) or type(exc).__name__
-
-
-class _ServiceLifespan:
-    """ASGI middleware: runs the app's lifespan inside ``service.open()``."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]], service: EncoderService) -> None:
-        self._app = app
-        self._service = service
-
-    async def __call__(
-        self,
-        scope: MutableMapping[str, Any],
-        receive: Callable[[], Awaitable[Any]],
-        send: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        if scope["type"] != "lifespan":
-            await self._app(scope, receive, send)
-            return
-        first = await receive()
-        replay = [first]
-        started = False
-        final: dict[str, Any] | None = None
-
-        async def inner_receive() -> Any:
-            if replay:
-                return replay.pop()
-            return await receive()
-
-        async def inner_send(message: Any) -> None:
-            nonlocal started, final
-            kind = message["type"]
-            if kind in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
-                # Held back until the service is closed.
-                final = message
-                return
-            if kind == "lifespan.startup.complete":
-                started = True
-            await send(message)
-
-        if first["type"] != "lifespan.startup":
-            await self._app(scope, inner_receive, send)
-            return
-        try:
-            async with self._service.open():
-                await self._app(scope, inner_receive, inner_send)
-        except Exception as exc:
-            _log.exception("the encoder service failed")
-            message = f"encdisagg: {_describe(exc)}"
-            if not started:
-                await send({"type": "lifespan.startup.failed", "message": message})
-                return
-            final = {"type": "lifespan.shutdown.failed", "message": message}
-        await send(final or {"type": "lifespan.shutdown.complete"})
-
-
 def mount_encoder(
     app: Quart,
     config_or_encoder: EncoderConfig | Encoder,
@@ -436,7 +377,7 @@ def mount_encoder(
     if app.config.get("MAX_CONTENT_LENGTH") is None:
         app.config["MAX_CONTENT_LENGTH"] = service.settings.max_body_bytes
     app.extensions[_EXTENSION] = service
-    app.asgi_app = _ServiceLifespan(app.asgi_app, service)  # type: ignore[method-assign,assignment]
+    app.asgi_app = ServiceLifespan(app.asgi_app, service)  # type: ignore[method-assign,assignment]
     return service
 
 

@@ -30,6 +30,7 @@ from ._malloc import return_large_frees_to_the_os
 from ._registered import ServerRegistration
 from ._runner import serve
 from ._settings import ServerSettings
+from ._startup import describe_startup_failure
 
 __all__ = ["run_serve"]
 
@@ -163,6 +164,10 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
         raise UsageError(
             f"--model: {model!r} is neither a built-in model ({known}) nor a checkpoint folder"
         )
+    # Checked here, before any worker process starts, so the user reads this one line.
+    folder = model not in BUILTIN_MODELS and model not in SERVER_MODELS
+    if folder and not (Path(model) / "config.json").is_file():
+        raise UsageError(f"--model: model folder {model} has no config.json")
     api_key, allowed_peers = _access_options(args, server)
     try:
         settings = ServerSettings(
@@ -306,14 +311,11 @@ def run_serve(args: argparse.Namespace) -> int:
     return_large_frees_to_the_os()
     try:
         anyio.run(_main, options, backend=options.worker_class)
-    except OSError as exc:
-        print(
-            f"encdisagg serve: error: cannot serve on {options.host}:{options.port}: {exc}",
-            file=sys.stderr,
-        )
-        return 1
-    except Exception as exc:
-        _log.debug("startup failed", exc_info=exc)
-        print(f"encdisagg serve: error: the server failed: {exc}", file=sys.stderr)
+    except (Exception, BaseExceptionGroup) as exc:
+        if isinstance(exc, BaseExceptionGroup) and exc.split(Exception)[0] is None:
+            raise  # only KeyboardInterrupt or SystemExit inside: not a startup failure
+        _log.debug("the server failed", exc_info=exc)
+        cause = describe_startup_failure(exc, host=options.host, port=options.port)
+        print(f"encdisagg serve: error: {cause}", file=sys.stderr)
         return 1
     return 0

@@ -209,6 +209,8 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
             raise MalformedMessage(f"reply from unknown rank {message.rank}")
         if message.kind == "ready":
             self._workers[message.rank].mark_ready(message.pid)
+        elif message.kind == "failed":
+            self._workers[message.rank].mark_failed(message.reason or "no reason given")
         else:
             self._pending.on_reply(message)
 

@@ -34,6 +34,8 @@ _log = logging.getLogger("encdisagg.server.dp")
 _EXIT_POLL_S: Final = 0.05
 #: Most time each escalation step (SIGTERM, SIGKILL) waits once a stop message was ignored.
 _KILL_STEP_S: Final = 5.0
+#: How long a worker's startup failure report may trail its exit.
+_FAILURE_REPORT_GRACE_S: Final = 2.0
 
 
 @dataclass(eq=False)
@@ -48,6 +50,10 @@ class DpWorker:
     #: Became ready and has not exited.
     alive: bool = False
     exit_code: int | None = None
+    #: Why it could not start, as it reported (one line).
+    startup_failure: str | None = None
+    #: Set once it reported a startup failure.
+    failure_reported: anyio.Event = field(default_factory=anyio.Event)
     #: Calls sent and not answered yet.
     load: int = 0
     #: Set once the worker reported ready or exited, whichever came first.
@@ -70,6 +76,14 @@ class DpWorker:
         self.pid = pid
         self.settled.set()
         _log.info("%s is ready", self.describe())
+
+    def mark_failed(self, reason: str) -> None:
+        """The worker reported that it could not open its Encoder. Synchronous."""
+        if self.alive:
+            return
+        self.startup_failure = reason
+        self.failure_reported.set()
+        self.settled.set()
 
     def require_alive(self, req_id: str | None) -> DpWorker:
         """This worker, if it is alive.
@@ -116,6 +130,8 @@ class WorkerSupervisor:
         self._on_exit = on_exit
         #: Set once stopping began: exits from then on are expected.
         self.stopping = False
+        #: Set once every worker reported ready: exits from then on are deaths.
+        self._all_ready = False
 
     async def spawn(
         self,
@@ -180,14 +196,22 @@ class WorkerSupervisor:
             for worker in self._workers:
                 await worker.settled.wait()
                 if not worker.alive:
-                    raise ServiceUnavailableError(
-                        f"{worker.describe()} exited with code {worker.exit_code} before it "
-                        "was ready"
-                    )
+                    raise ServiceUnavailableError(await self._startup_failure(worker))
+            self._all_ready = True
             return
         raise ServiceUnavailableError(
             f"data-parallel workers were not ready within worker_start_timeout_s={timeout}"
         )
+
+    async def _startup_failure(self, worker: DpWorker) -> str:
+        """Why ``worker`` did not start: its own report, else its exit code."""
+        if worker.exited.is_set() and not worker.failure_reported.is_set():
+            # Its report and its exit travel different ways; the report may still come.
+            with anyio.move_on_after(_FAILURE_REPORT_GRACE_S):
+                await worker.failure_reported.wait()
+        if worker.startup_failure is not None:
+            return f"{worker.describe()} could not start: {worker.startup_failure}"
+        return f"{worker.describe()} exited with code {worker.exit_code} before it was ready"
 
     async def _watch(self, worker: DpWorker) -> None:
         assert worker.process is not None
@@ -207,7 +231,13 @@ class WorkerSupervisor:
         worker.control.close()
         if self.stopping:
             message = f"{worker.describe()} stopped: the service is shutting down"
-            _log.info("%s exited with code %s", worker.describe(), code)
+            # A startup that failed is reported in one line by wait_ready's caller.
+            level = logging.INFO if self._all_ready else logging.DEBUG
+            _log.log(level, "%s exited with code %s", worker.describe(), code)
+        elif not self._all_ready:
+            # Starting: wait_ready reports why, in one line.
+            message = f"{worker.describe()} exited with code {code} before it was ready"
+            _log.debug("%s", message)
         else:
             message = f"{worker.describe()} died (exit code {code})"
             _log.error("%s", message)

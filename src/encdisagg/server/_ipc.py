@@ -58,6 +58,8 @@ WORK_OPS: Final = frozenset(
     {"encode", "send", "register", "metadata", "release", "health", "stats"}
 )
 CONTROL_OPS: Final = frozenset({"cancel", "release", "stop"})
+#: Longest startup failure reason a worker reports (one line for the user).
+_MAX_REASON_CHARS: Final = 2000
 
 _ERRORS: Final[dict[str, type[EncdisaggError]]] = {
     cls.__name__: cls
@@ -206,8 +208,9 @@ def error_from_wire(value: object) -> EncdisaggError:
 
 @dataclass(frozen=True, slots=True)
 class ReplyMessage:
-    """From a worker: ``kind="result"`` of call ``id`` (``value`` or ``error``), or
-    ``kind="ready"`` once its Encoder is open."""
+    """From a worker: ``kind="result"`` of call ``id`` (``value`` or ``error``),
+    ``kind="ready"`` once its Encoder is open, or ``kind="failed"`` (``reason``, one line)
+    if it could not open it."""
 
     kind: str
     rank: int
@@ -215,11 +218,15 @@ class ReplyMessage:
     value: Any = None
     error: EncdisaggError | None = None
     pid: int | None = None
+    reason: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"kind": self.kind, "rank": self.rank}
         if self.kind == "ready":
             wire["pid"] = self.pid
+            return wire
+        if self.kind == "failed":
+            wire["reason"] = self.reason
             return wire
         wire["id"] = self.id
         if self.error is not None:
@@ -235,6 +242,12 @@ class ReplyMessage:
         if kind == "ready":
             _fields(value, "ready message", {"kind", "rank", "pid"}, set())
             return cls("ready", _int(value["rank"], "rank"), pid=_int(value["pid"], "pid"))
+        if kind == "failed":
+            _fields(value, "failed message", {"kind", "rank", "reason"}, set())
+            reason = value["reason"]
+            if not isinstance(reason, str):
+                raise MalformedMessage("reason must be a string")
+            return cls("failed", _int(value["rank"], "rank"), reason=reason[:_MAX_REASON_CHARS])
         if kind == "result":
             _fields(value, "result message", {"kind", "rank", "id"}, {"value", "error"})
             if ("value" in value) == ("error" in value):
@@ -333,10 +346,11 @@ class IpcSocket:
         while not cast(int, sock.getsockopt(zmq.EVENTS)) & event:
             await anyio.wait_readable(self._fd)
 
-    def close(self) -> None:
-        """Close the socket (linger 0); a task waiting on it gets ``ClosedResourceError``.
-        Idempotent; not a checkpoint."""
+    def close(self, *, linger_ms: int = 0) -> None:
+        """Close the socket; a task waiting on it gets ``ClosedResourceError``. Messages
+        still queued are kept for up to ``linger_ms`` (blocking the close that long at
+        most). Idempotent; not a checkpoint."""
         sock, self._socket = self._socket, None
         if sock is not None:
             anyio.notify_closing(self._fd)
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)

@@ -41,6 +41,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _drop_running_on(record: logging.LogRecord) -> bool:
+    # Hypercorn says "Running on URL" before the app's startup ran, also when it then fails;
+    # on_serving announces the URL once the app really serves.
+    return not str(record.msg).startswith("Running on")
+
+
+def _hypercorn_error_log() -> logging.Logger:
+    log = logging.getLogger("hypercorn.error")
+    if _drop_running_on not in log.filters:
+        log.addFilter(_drop_running_on)
+    return log
+
+
 def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -113,7 +126,7 @@ async def serve(
     config.shutdown_timeout = shutdown_timeout_s
     config.keep_alive_timeout = keep_alive_timeout_s
     config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog = _hypercorn_error_log()
 
     started = anyio.Event()
     wrapped = _WatchStartup(app, started.set)

@@ -49,6 +49,7 @@ from ._messages import (
     SendBody,
     result_to_wire,
 )
+from ._startup import describe_startup_failure
 
 __all__ = ["main"]
 
@@ -277,13 +278,31 @@ async def _serve(args: argparse.Namespace, config: EncoderConfig) -> None:
         sockets.append(control)
         results = IpcSocket(context, zmq.PUSH, args.results, bind=False)
         sockets.append(results)
-        async with LocalBackend(config, health_timeout_s=args.health_timeout) as backend:
-            worker = _Worker(args.rank, backend, results, args.max_inflight)
-            await worker.run(work, control, args.parent_pid)
+        opened = False
+        try:
+            async with LocalBackend(config, health_timeout_s=args.health_timeout) as backend:
+                opened = True
+                worker = _Worker(args.rank, backend, results, args.max_inflight)
+                await worker.run(work, control, args.parent_pid)
+        except Exception as exc:
+            if not opened:
+                await _report_startup_failure(args.rank, results, exc)
+            raise
     finally:
         for sock in sockets:
             sock.close()
         context.destroy(0)
+
+
+async def _report_startup_failure(rank: int, results: IpcSocket, exc: Exception) -> None:
+    """Tell the front, in one line, why this worker could not open its Encoder (bounded:
+    the front may be gone). The front prints it; the traceback stays at debug level."""
+    _log.debug("worker %s failed to start", rank, exc_info=exc)
+    reason = describe_startup_failure(exc)
+    with anyio.move_on_after(_REPLY_TIMEOUT_S):
+        await results.send(ReplyMessage("failed", rank, reason=reason).to_wire())
+        # Lingers so the report leaves before the process exits.
+        results.close(linger_ms=int(_REPLY_TIMEOUT_S * 1000))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -311,7 +330,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = EncoderConfig.from_mapping(
         json.loads(Path(args.config_file).read_text(encoding="utf-8"))
     )
-    anyio.run(_serve, args, config, backend=args.backend)
+    try:
+        anyio.run(_serve, args, config, backend=args.backend)
+    except Exception:
+        # Reported to the front (which prints one line) and logged at debug level.
+        return 1
     return 0
 
 
