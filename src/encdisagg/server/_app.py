@@ -41,6 +41,7 @@ from ._messages import (
     result_json,
 )
 from ._metrics import EncoderMetrics, ServerMetrics
+from ._probes import readiness_problem
 from ._settings import ServerSettings
 
 __all__ = [
@@ -101,6 +102,8 @@ class EncoderService:
                 f"expected an EncoderConfig or an Encoder, got {type(config_or_encoder).__name__}"
             )
         self._backend: Backend | None = None
+        #: A drain began: readiness is false from then on.
+        self.draining = False
         self._decode_limiter: anyio.CapacityLimiter | None = None
         key = self.settings.api_key
         self._api_key = None if key is None else ApiKey(key)
@@ -142,10 +145,19 @@ class EncoderService:
         self._decode_limiter = anyio.CapacityLimiter(_DECODE_THREADS)
         async with backend:
             self._backend = backend
+            self.draining = False
             try:
                 yield backend
             finally:
+                # Closing drains: not ready from the first moment on.
+                self.draining = True
                 self._backend = None
+
+    def start_draining(self) -> None:
+        """Turn readiness false now: a graceful drain begins (``encdisagg serve`` calls it
+        on its first signal, before it stops accepting). Not async; nothing else changes:
+        requests still get served until the server stops."""
+        self.draining = True
 
     def _require_backend(self) -> Backend:
         if self._backend is None:
@@ -192,6 +204,22 @@ class EncoderService:
             else:
                 response = _error_response(503, _public(report.message), None)
         self.metrics.count_http("/health", response.status_code)
+        return response
+
+    async def live(self) -> Response:
+        """``GET /health/live``: 200 while the process serves requests at all."""
+        self.metrics.count_http("/health/live", 200)
+        return _json_response({"status": "ok"})
+
+    async def ready(self) -> Response:
+        """``GET /health/ready``: 200 when the model is loaded, no drain began and (data
+        parallel) every worker is up; else 503 naming why. Runs no probe."""
+        problem = readiness_problem(self._backend, draining=self.draining)
+        if problem is None:
+            response = _json_response({"status": "ok"})
+        else:
+            response = _error_response(503, problem, None)
+        self.metrics.count_http("/health/ready", response.status_code)
         return response
 
     async def render_metrics(self) -> Response:
@@ -341,7 +369,8 @@ def mount_encoder(
     """Add the encoder routes to an existing Quart (or QuartTrio) app.
 
     Registers a blueprint with ``/encode``, ``/send``, ``/scheduler_receive_url``,
-    ``/scheduler_receive_meta_data``, ``/release``, ``/health`` and ``/metrics`` (under
+    ``/scheduler_receive_meta_data``, ``/release``, ``/health``, ``/health/live``,
+    ``/health/ready`` and ``/metrics`` (under
     ``url_prefix``), and wraps ``app.asgi_app`` so the app's lifespan opens the encoder
     service first and closes it last. Sets ``MAX_CONTENT_LENGTH`` if the app has none.
 
@@ -372,6 +401,8 @@ def mount_encoder(
     for path, call in _ROUTES.items():
         add_route(path, call)
     blueprint.add_url_rule("/health", "health", service.health, methods=["GET"])
+    blueprint.add_url_rule("/health/live", "health_live", service.live, methods=["GET"])
+    blueprint.add_url_rule("/health/ready", "health_ready", service.ready, methods=["GET"])
     blueprint.add_url_rule("/metrics", "metrics", service.render_metrics, methods=["GET"])
     app.register_blueprint(blueprint)
     if app.config.get("MAX_CONTENT_LENGTH") is None:

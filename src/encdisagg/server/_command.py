@@ -273,7 +273,12 @@ async def _main(options: ServeOptions) -> None:
     stop = anyio.Event()
     drain_s = config.shutdown_grace_s + config.cleanup_timeout_s
     # Registered once serving; on a drain its key goes first, then Hypercorn drains.
-    registration = ServerRegistration(settings, config, app.extensions["encdisagg"])
+    service = app.extensions["encdisagg"]
+    registration = ServerRegistration(settings, config, service)
+
+    async def drain_begins() -> None:
+        await stop.wait()
+        service.start_draining()
 
     def on_serving(url: str) -> None:
         _announce(url)
@@ -285,7 +290,7 @@ async def _main(options: ServeOptions) -> None:
             app,
             host=options.host,
             port=options.port,
-            shutdown_trigger=lambda: registration.drain_after(stop.wait),
+            shutdown_trigger=lambda: registration.drain_after(drain_begins),
             on_serving=on_serving,
             graceful_timeout_s=config.shutdown_grace_s,
             startup_timeout_s=settings.worker_start_timeout_s + 60.0,

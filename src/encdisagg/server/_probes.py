@@ -1,0 +1,29 @@
+"""Liveness and readiness: the two questions ``/health`` answers as one.
+
+``/health/live`` asks whether the process serves at all (restart it if not);
+``/health/ready`` asks whether traffic should come here: the model is loaded, no drain has
+begun, and (data parallel) every worker is up. Both are decisions on state the service keeps;
+neither runs a probe encode (``/health`` still does).
+"""
+
+from __future__ import annotations
+
+from ._backend import Backend
+from ._dp import DataParallelBackend
+
+__all__ = ["readiness_problem"]
+
+
+def readiness_problem(backend: Backend | None, *, draining: bool) -> str | None:
+    """Why the service should get no traffic now, or ``None`` if it is ready. Not async."""
+    if draining:
+        return "not ready: the server is draining"
+    if backend is None:
+        return "not ready: the model is not loaded"
+    if isinstance(backend, DataParallelBackend):
+        down = [status.rank for status in backend.workers if not status.alive]
+        if down:
+            ranks = ", ".join(str(rank) for rank in down)
+            workers = "worker" if len(down) == 1 else "workers"
+            return f"not ready: data-parallel {workers} {ranks} down"
+    return None
