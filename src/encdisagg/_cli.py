@@ -41,7 +41,8 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "Serve an Encoder over HTTP (Quart on Hypercorn). Options come from --config "
             "(TOML: an [encoder] table of EncoderConfig keys and a [server] table of host, "
-            "port, dp, worker_class, log_level, max_body_mb, health_timeout_s); flags win. "
+            "port, dp, worker_class, log_level, log_format, max_body_mb, health_timeout_s); "
+            "flags win. "
             "SIGINT or SIGTERM shuts down gracefully."
         ),
     )
@@ -78,6 +79,11 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="comma-separated hosts and networks a /send or receive URL may name (403 otherwise)",
     )
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"))
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="log lines as text or one JSON object each (default text); both carry req_id",
+    )
     parser.add_argument(
         "--registry",
         metavar="URL",

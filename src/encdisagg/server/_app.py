@@ -32,6 +32,7 @@ from ._backend import Backend, LocalBackend
 from ._dp import DataParallelBackend
 from ._json import decode_body, shown
 from ._lifespan import ServiceLifespan
+from ._logs import note_req_id
 from ._messages import (
     EncodeBody,
     MetadataBody,
@@ -42,6 +43,7 @@ from ._messages import (
 )
 from ._metrics import EncoderMetrics, ServerMetrics
 from ._probes import readiness_problem
+from ._request_log import AccessLog
 from ._settings import ServerSettings
 
 __all__ = [
@@ -177,9 +179,12 @@ class EncoderService:
                 return response
             _require_json_type()
             body = await _read_json(self.settings.max_body_bytes, self._decode_limiter)
+            if isinstance(body, dict):
+                note_req_id(body.get("req_id"))
             backend = self._require_backend()
             response = _json_response(await call(self, backend, body))
         except EncdisaggError as exc:
+            note_req_id(exc.req_id)
             response = _error_response(exc.status, _public(exc.message), exc.req_id)
         except HTTPException as exc:
             response = _http_error_response(exc, self.settings.max_body_bytes)
@@ -408,7 +413,11 @@ def mount_encoder(
     if app.config.get("MAX_CONTENT_LENGTH") is None:
         app.config["MAX_CONTENT_LENGTH"] = service.settings.max_body_bytes
     app.extensions[_EXTENSION] = service
-    app.asgi_app = ServiceLifespan(app.asgi_app, service)  # type: ignore[method-assign,assignment]
+    prefix = (url_prefix or "").rstrip("/")
+    paths = [*_ROUTES, "/health", "/health/live", "/health/ready", "/metrics"]
+    app.asgi_app = AccessLog(  # type: ignore[method-assign,assignment]
+        ServiceLifespan(app.asgi_app, service), routes=[prefix + path for path in paths]
+    )
     return service
 
 

@@ -26,6 +26,7 @@ from ..models import BUILTIN_MODELS
 from ._access import is_loopback_host
 from ._app import create_app
 from ._backend import SERVER_MODELS
+from ._logs import LOG_FORMATS, LogFormat, configure_logging
 from ._malloc import return_large_frees_to_the_os
 from ._registered import ServerRegistration
 from ._runner import serve
@@ -58,6 +59,7 @@ SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {
     "dp": int,
     "worker_class": str,
     "log_level": str,
+    "log_format": str,
     "max_body_mb": int,
     "health_timeout_s": (int, float),
     "api_key": str,
@@ -71,6 +73,7 @@ _DEFAULTS: Final[dict[str, Any]] = {
     "dp": 1,
     "worker_class": "asyncio",
     "log_level": "info",
+    "log_format": "text",
     "max_body_mb": 256,
     "health_timeout_s": 20.0,
 }
@@ -91,6 +94,7 @@ class ServeOptions:
     port: int
     worker_class: str
     log_level: str
+    log_format: LogFormat = "text"
 
 
 def _flag(field: str) -> str:
@@ -146,7 +150,7 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
         raise UsageError(f"{prefix}{exc.message}") from None
     options = dict(_DEFAULTS)
     options.update(server)
-    for key in ("host", "port", "dp", "worker_class", "log_level", "max_body_mb"):
+    for key in ("host", "port", "dp", "worker_class", "log_level", "log_format", "max_body_mb"):
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value
@@ -158,6 +162,8 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
         raise UsageError(f"--worker-class must be asyncio or trio; got {options['worker_class']!r}")
     if str(options["log_level"]).lower() not in _LOG_LEVELS:
         raise UsageError(f"--log-level must be one of {', '.join(_LOG_LEVELS)}")
+    if options["log_format"] not in LOG_FORMATS:
+        raise UsageError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     model = config.model
     if model not in BUILTIN_MODELS and model not in SERVER_MODELS and not Path(model).is_dir():
         known = ", ".join((*BUILTIN_MODELS, *SERVER_MODELS))
@@ -179,6 +185,7 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             else options["max_body_mb"],
             health_timeout_s=options["health_timeout_s"],
             worker_log_level=str(options["log_level"]).lower(),
+            worker_log_format=options["log_format"],
             **_registry_options(args, server),
         )
     except BadRequestError as exc:
@@ -200,6 +207,7 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
         options["port"],
         options["worker_class"],
         str(options["log_level"]).lower(),
+        options["log_format"],
     )
 
 
@@ -307,10 +315,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"encdisagg serve: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=options.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(options.log_level, options.log_format)
     warn_if_exposed(options.host, options.settings)
     # Before anything large is allocated: freed bodies and images go back to the system.
     return_large_frees_to_the_os()

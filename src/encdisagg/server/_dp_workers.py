@@ -166,6 +166,8 @@ class WorkerSupervisor:
             str(settings.worker_max_inflight),
             "--log-level",
             settings.worker_log_level,
+            "--log-format",
+            settings.worker_log_format,
         ]
         env = dict(os.environ)
         root = _package_root()

@@ -36,6 +36,8 @@ class ServerSettings:
     worker_max_inflight: int = 256
     #: Log level of the workers.
     worker_log_level: str = "info"
+    #: Log lines of the workers: ``"text"`` or ``"json"`` (one object a line).
+    worker_log_format: str = "text"
     #: When set, every route except ``/health`` and ``/metrics`` requires
     #: ``Authorization: Bearer <api_key>`` (401 otherwise). Never shown in a repr.
     api_key: str | None = field(default=None, repr=False)
@@ -66,6 +68,10 @@ class ServerSettings:
             )
         if self.worker_log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise BadRequestError(f"worker_log_level is not a log level: {self.worker_log_level!r}")
+        if self.worker_log_format not in ("text", "json"):
+            raise BadRequestError(
+                f"worker_log_format must be text or json; got {self.worker_log_format!r}"
+            )
         if self.api_key is not None:
             ApiKey(self.api_key)
         peers: object = self.allowed_peers

@@ -41,6 +41,7 @@ from ._ipc import (
     WorkMessage,
     unpack,
 )
+from ._logs import configure_logging
 from ._messages import (
     EncodeBody,
     MetadataBody,
@@ -317,16 +318,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-timeout", type=float, default=20.0)
     parser.add_argument("--max-inflight", type=int, default=256)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one worker until it is told to stop; 0 on a clean stop."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s dp-worker-{args.rank} %(levelname)s %(name)s: %(message)s",
-    )
+    if args.log_format == "json":
+        configure_logging(args.log_level, "json", fields={"worker": args.rank})
+    else:
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format=f"%(asctime)s dp-worker-{args.rank} %(levelname)s %(name)s: %(message)s",
+        )
     config = EncoderConfig.from_mapping(
         json.loads(Path(args.config_file).read_text(encoding="utf-8"))
     )

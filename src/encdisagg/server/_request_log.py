@@ -1,0 +1,80 @@
+"""One access line per HTTP request: method, route, status, duration and ``req_id``.
+
+An ASGI middleware around the app. It gives each request a fresh
+:class:`~._logs.RequestContext` in the context variable before the app runs, so the routes'
+records carry the ``req_id`` they decoded, and logs the line once the response ended (also
+when the client went away or the request was cancelled: status 499 then, as nginx does).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, MutableMapping
+from typing import Any, Final
+
+from ._logs import CURRENT_REQUEST, RequestContext
+
+__all__ = ["ACCESS_LOGGER", "AccessLog"]
+
+#: The logger of the access lines (INFO), apart so it can be turned down on its own.
+ACCESS_LOGGER: Final = "encdisagg.server.access"
+#: The route shown for a path that is none of the app's (the path is the client's text).
+_UNMATCHED: Final = "unmatched"
+#: Status shown when no response started: the client left, or the server stopped it.
+_NO_RESPONSE: Final = 499
+
+_log = logging.getLogger(ACCESS_LOGGER)
+
+
+class AccessLog:
+    """ASGI middleware: logs one line per HTTP request to ``encdisagg.server.access``.
+
+    :param routes: the paths logged as themselves; any other is logged as ``unmatched``.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], routes: Collection[str]) -> None:
+        self._app = app
+        self._routes = frozenset(routes)
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        context = RequestContext()
+        token = CURRENT_REQUEST.set(context)
+        status = _NO_RESPONSE
+        started = time.perf_counter()
+
+        async def watched_send(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self._app(scope, receive, watched_send)
+        finally:
+            duration_ms = round((time.perf_counter() - started) * 1000, 3)
+            path = scope.get("path", "")
+            route = path if path in self._routes else _UNMATCHED
+            method = str(scope.get("method", ""))
+            _log.info(
+                "%s %s %s %.1fms",
+                method,
+                route,
+                status,
+                duration_ms,
+                extra={
+                    "method": method,
+                    "route": route,
+                    "status": status,
+                    "duration_ms": duration_ms,
+                },
+            )
+            CURRENT_REQUEST.reset(token)
