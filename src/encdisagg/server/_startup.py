@@ -14,8 +14,9 @@ import socket
 from typing import Final
 
 from .._errors import EncdisaggError
+from ..nurseries import leaf_exceptions
 
-__all__ = ["describe_startup_failure", "leaf_exceptions"]
+__all__ = ["describe_startup_failure"]
 
 #: Hypercorn's ``LifespanFailureError`` keeps only this text; the message the app sent is
 #: quoted inside it.
@@ -24,17 +25,10 @@ _LIFESPAN_FAILURE: Final = re.compile(r"^Lifespan failure in (?:startup|shutdown
 _APP_PREFIX: Final = "encdisagg: "
 
 
-def leaf_exceptions(exc: BaseException) -> list[BaseException]:
+def _causes(exc: BaseException) -> list[BaseException]:
     """The exceptions inside ``exc`` and its nested groups, in order, without the
-    cancellations a failing sibling caused (they are no cause). Not async."""
-    if isinstance(exc, BaseExceptionGroup):
-        leaves: list[BaseException] = []
-        for inner in exc.exceptions:
-            leaves.extend(leaf_exceptions(inner))
-        return leaves
-    if _is_cancellation(exc):
-        return []
-    return [exc]
+    cancellations a failing sibling caused (they are no cause)."""
+    return [leaf for leaf in leaf_exceptions(exc) if not _is_cancellation(leaf)]
 
 
 def _is_cancellation(exc: BaseException) -> bool:
@@ -89,7 +83,7 @@ def describe_startup_failure(
     task-group wording remains. Not async.
     """
     causes: list[str] = []
-    for leaf in leaf_exceptions(exc) or [exc]:
+    for leaf in _causes(exc) or [exc]:
         cause = " ".join(_describe_leaf(leaf, host, port).split())
         if cause not in causes:
             causes.append(cause)
