@@ -30,8 +30,8 @@ from typing import Any
 
 import anyio
 import httpx
-from _common import Options, Server, headline, latency_summary, parse_options, write_json
-from bench_server import HEIGHT, WIDTH, _bodies, _image, _Prober
+from _common import Options, headline, latency_summary, parse_options, write_json
+from bench_server import HEIGHT, WIDTH, _Prober, burst_bodies, tiny_server
 
 FLAVOURS = ("asyncio", "trio")
 RSS_GOAL_MIB = 2048.0
@@ -138,17 +138,10 @@ async def _burst(url: str, bodies: list[bytes], pid: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     options: Options = parse_options(__doc__.splitlines()[0], argv)
-    count = options.pick(200, 24)
-    print(f"generating {count} {WIDTH}x{HEIGHT} images...", flush=True)
-    bodies = _bodies([_image(seed) for seed in range(count)])
-    body_mib = sum(len(body) for body in bodies) / count / 2**20
+    count, bodies, body_mib = burst_bodies(options)
     runs: dict[str, Any] = {}
     for flavour in FLAVOURS:
-        command = [
-            "-m", "encdisagg", "serve", "--port", "0", "--model", "tiny",
-            "--worker-class", flavour, "--log-level", "warning",
-        ]  # fmt: skip
-        with Server(command) as server:
+        with tiny_server(flavour) as server:
             print(f"{flavour}: {count} concurrent /encode against {server.url}", flush=True)
             runs[flavour] = anyio.run(_burst, server.url, bodies, server.pid, backend="asyncio")
         run = runs[flavour]

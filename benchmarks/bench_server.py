@@ -150,19 +150,29 @@ def _gauge(text: str, name: str) -> float | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    options: Options = parse_options(__doc__.splitlines()[0], argv)
+def burst_bodies(options: Options) -> tuple[int, list[bytes], float]:
+    """The burst's request bodies (one 1280x720 image each): count, bodies, MiB per body."""
     count = options.pick(200, 24)
     print(f"generating {count} {WIDTH}x{HEIGHT} images...", flush=True)
     bodies = _bodies([_image(seed) for seed in range(count)])
-    body_mib = sum(len(body) for body in bodies) / count / 2**20
+    return count, bodies, sum(len(body) for body in bodies) / count / 2**20
+
+
+def tiny_server(flavour: str) -> Server:
+    """``encdisagg serve`` on the tiny model with ``flavour``'s worker class, port 0."""
+    command = [
+        "-m", "encdisagg", "serve", "--port", "0", "--model", "tiny",
+        "--worker-class", flavour, "--log-level", "warning",
+    ]  # fmt: skip
+    return Server(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    options: Options = parse_options(__doc__.splitlines()[0], argv)
+    count, bodies, body_mib = burst_bodies(options)
     runs: dict[str, Any] = {}
     for flavour in FLAVOURS:
-        command = [
-            "-m", "encdisagg", "serve", "--port", "0", "--model", "tiny",
-            "--worker-class", flavour, "--log-level", "warning",
-        ]  # fmt: skip
-        with Server(command) as server:
+        with tiny_server(flavour) as server:
             print(f"{flavour}: {count} concurrent /encode against {server.url}", flush=True)
             # The same client (httpx on asyncio) for both flavours: only the server differs.
             runs[flavour] = anyio.run(_run, server.url, bodies, backend="asyncio")

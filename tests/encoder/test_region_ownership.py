@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -275,9 +275,14 @@ def error_reports(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-async def test_release_returns_within_the_cleanup_bound_while_deregistration_blocks(
-    make_encoder: MakeEncoder, caplog: pytest.LogCaptureFixture
+async def _returns_within_the_cleanup_bound(
+    make_encoder: MakeEncoder,
+    caplog: pytest.LogCaptureFixture,
+    finish: Callable[[Encoder, AuditingEngine], Awaitable[None]],
+    what: str,
 ) -> None:
+    """``finish`` ends r1's lifecycle while its deregistration blocks: it must return within
+    cleanup_timeout_s, keep the memory counted, and report nothing."""
     caplog.set_level(logging.DEBUG, logger="encdisagg")
     engine = AuditingEngine()
     deregistration = engine.hold("deregister", 1)
@@ -287,10 +292,10 @@ async def test_release_returns_within_the_cleanup_bound_while_deregistration_blo
         result = await encoder.encode(request("r1"))
         with letting_go(deregistration):
             with anyio.move_on_after(5) as waiting:
-                await encoder.release("r1")
+                await finish(encoder, engine)
                 await deregistration.entered.wait()
             staged_while_blocked = encoder.stats().staged_bytes
-    assert not waiting.cancelled_caught, "release waited for the blocked deregistration"
+    assert not waiting.cancelled_caught, f"{what} waited for the blocked deregistration"
     # Still registered, so still counted: the memory was not free yet.
     assert staged_while_blocked >= result.nbytes
     # The deregistration was slow, not failed: nothing to report.
@@ -300,27 +305,22 @@ async def test_release_returns_within_the_cleanup_bound_while_deregistration_blo
     assert_idle(encoder)
 
 
+async def test_release_returns_within_the_cleanup_bound_while_deregistration_blocks(
+    make_encoder: MakeEncoder, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def release(encoder: Encoder, engine: AuditingEngine) -> None:
+        await encoder.release("r1")
+
+    await _returns_within_the_cleanup_bound(make_encoder, caplog, release, "release")
+
+
 async def test_the_last_send_returns_within_the_cleanup_bound_and_reports_no_failure(
     make_encoder: MakeEncoder, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="encdisagg")
-    engine = AuditingEngine()
-    deregistration = engine.hold("deregister", 1)
-    async with make_encoder(
-        engine=engine, **per_request_registration(cleanup_timeout_s=0.2)
-    ) as encoder:
-        result = await encoder.encode(request("r1"))
-        with letting_go(deregistration):
-            with anyio.move_on_after(5) as waiting:
-                await encoder.send("r1", destination(engine, REMOTE_A, "a:1"))
-                await deregistration.entered.wait()
-            staged_while_blocked = encoder.stats().staged_bytes
-    assert not waiting.cancelled_caught, "the send waited for the blocked deregistration"
-    assert staged_while_blocked >= result.nbytes
-    assert error_reports(caplog) == []
-    assert "ReleaseFailedError" not in caplog.text
-    assert engine.deregistered == engine.registered
-    assert_idle(encoder)
+    async def send(encoder: Encoder, engine: AuditingEngine) -> None:
+        await encoder.send("r1", destination(engine, REMOTE_A, "a:1"))
+
+    await _returns_within_the_cleanup_bound(make_encoder, caplog, send, "the send")
 
 
 @pytest.mark.virtual_time

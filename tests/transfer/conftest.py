@@ -7,9 +7,11 @@ engine's methods block and need no loop; only its start and stop are async.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from typing import Any
 
+import anyio.to_thread
 import pytest
 from anyio.from_thread import start_blocking_portal
 
@@ -22,3 +24,17 @@ def mooncake_pair() -> Iterator[tuple[MooncakeEngine, MooncakeEngine]]:
         first = stack.enter_context(portal.wrap_async_context_manager(MooncakeEngine()))
         second = stack.enter_context(portal.wrap_async_context_manager(MooncakeEngine()))
         yield first, second
+
+
+@pytest.fixture
+def thread_calls(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
+    """Every function run in a worker thread during the test."""
+    calls: list[Callable[..., Any]] = []
+    original = anyio.to_thread.run_sync
+
+    async def recording(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        calls.append(func)
+        return await original(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", recording)
+    return calls

@@ -386,21 +386,16 @@ async def test_a_send_waiting_for_room_moves_to_a_fresh_socket_after_an_eviction
 
 
 @pytest.fixture
-def thread_calls(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
-    """Every function run in a worker thread; and anyio.sleep fails, so nothing polls."""
-    calls: list[Callable[..., Any]] = []
-    original = anyio.to_thread.run_sync
-
-    async def recording(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        calls.append(func)
-        return await original(func, *args, **kwargs)
+def thread_calls(
+    thread_calls: list[Callable[..., Any]], monkeypatch: pytest.MonkeyPatch
+) -> list[Callable[..., Any]]:
+    """The shared recording of worker-thread calls, and anyio.sleep fails: nothing polls."""
 
     async def no_sleep(delay: float, *args: Any, **kwargs: Any) -> None:
         raise AssertionError(f"slept {delay} s")
 
-    monkeypatch.setattr(anyio.to_thread, "run_sync", recording)
     monkeypatch.setattr(anyio, "sleep", no_sleep)
-    return calls
+    return thread_calls
 
 
 def _release_waits(calls: list[Callable[..., Any]]) -> int:

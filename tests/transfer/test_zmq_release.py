@@ -30,20 +30,6 @@ def released() -> Iterator[threading.Event]:
     event.set()  # never leave a waiter thread blocked past the test
 
 
-@pytest.fixture
-def thread_calls(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
-    """Every function run in a worker thread during the test."""
-    calls: list[Callable[..., Any]] = []
-    original = anyio.to_thread.run_sync
-
-    async def recording(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        calls.append(func)
-        return await original(func, *args, **kwargs)
-
-    monkeypatch.setattr(anyio.to_thread, "run_sync", recording)
-    return calls
-
-
 def _wait(
     tracker: zmq.MessageTracker,
     drop: Callable[[], None] = lambda: None,
