@@ -50,6 +50,12 @@ class ServerSettings:
     registry: str | None = None
     registry_lease_ttl_s: int = 5
     registry_refresh_s: float = 2.0
+    #: When set, SGLang's ``SglangEncoder`` gRPC service (with ``grpc.health.v1`` and
+    #: reflection) is served on this port beside HTTP (0: a free port); needs the ``grpc``
+    #: extra. Its RPCs take the SGLang wire's bodies.
+    grpc_port: int | None = None
+    #: The address the gRPC server listens on (``encdisagg serve``: its ``--host``).
+    grpc_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,3 +90,12 @@ class ServerSettings:
             parse_registry_url(self.registry)
         if isinstance(self.registry_lease_ttl_s, float) or self.registry_lease_ttl_s < 2:
             raise BadRequestError("registry_lease_ttl_s must be an integer >= 2")
+        grpc_port: object = self.grpc_port
+        if grpc_port is not None and (
+            isinstance(grpc_port, bool)
+            or not isinstance(grpc_port, int)
+            or not 0 <= grpc_port <= 65535
+        ):
+            raise BadRequestError(f"grpc_port must be an integer in [0, 65535]; got {grpc_port!r}")
+        if not isinstance(self.grpc_host, str) or not self.grpc_host:
+            raise BadRequestError("grpc_host must be a non-empty host name or address")
