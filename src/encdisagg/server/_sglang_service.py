@@ -1,0 +1,475 @@
+"""SGLang 0.5.20's encoder protocol on top of our Encoder, transport-neutral.
+
+The HTTP routes of ``encdisagg serve --wire sglang`` and the gRPC ``SglangEncoder`` service
+both call :class:`SglangService` with the already-decoded fields SGLang's language side
+sends, and answer what it returns (often ``None``) or the error it raises.
+
+How each of SGLang's transfer modes maps onto the Encoder:
+
+- ``zmq_to_tokenizer`` (``/encode`` names ``prefill_host`` and an ``embedding_port``) and the
+  legacy scheduler mode (a list of ports): encode, then push ``[header, bytes]`` to each
+  port before answering ``null``.
+- ``zmq_to_scheduler`` (``embedding_port`` is ``null``): encode, wait for the ranks'
+  ``/scheduler_receive_url`` registrations (before or after ``/encode``), push to each.
+- ``mooncake`` (the server runs ``transfer="mooncake"``): ``/encode`` answers the sizes;
+  each rank's ``/send`` is our Mooncake write, followed by the completion notice SGLang's
+  receiver waits for on ``prefill_host:embedding_port``.
+
+The header frame is SGLang's pickled ``EmbeddingData`` (written by
+:mod:`encdisagg.transfer._sglang_frames`; nothing here unpickles anything). The raw bytes come
+out of the Encoder through its own ZMQ push to a loopback socket this service binds for the
+one part, so the same path serves one Encoder and data-parallel workers alike. A failed part
+is pushed as an error part (``error_msg``/``error_code``), which fails SGLang's waiting
+request, and the call raises the error too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Final
+
+import anyio
+
+from .._config import EncoderConfig
+from .._errors import (
+    BadRequestError,
+    EncdisaggError,
+    InternalError,
+    NotFoundError,
+    RequestNotActiveError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+    TransferError,
+)
+from .._modality import Modality
+from ..encoder import Encoder, EncodeResult, ZmqDestination
+from ..nurseries import collapse_single_error
+from ..transfer import ReceivedPart, ZmqReceiver, payload_view
+from ..transfer._sglang_frames import SglangPart, sglang_header
+from ..transfer._sglang_push import SglangPusher
+from ._access import PeerAllowList
+from ._backend import Backend, LocalBackend
+from ._messages import MetadataBody, ReceiveUrlBody, SendBody
+from ._sglang_bodies import SglangEncodeBody, SglangSendBody, metadata_answer
+from ._sglang_destinations import PushDestinations
+
+__all__ = ["SglangService"]
+
+_log = logging.getLogger("encdisagg.server.sglang")
+
+#: Mooncake parts remembered between their ``/encode`` and their last ``/send``.
+_MAX_PARTS: Final = 65536
+
+
+@dataclass(eq=False)
+class _MooncakePart:
+    """What a Mooncake part's completion notice needs that ``/send`` does not carry."""
+
+    num_parts: int
+    modality: Modality
+    created: float
+    sent_to: set[str] = field(default_factory=set)
+
+
+class SglangService(anyio.AsyncContextManagerMixin):
+    """SGLang's encoder calls (``/encode``, ``/send``, ``/scheduler_receive_url``,
+    ``/scheduler_receive_meta_data``) served by one running Encoder or backend.
+
+    ``async with SglangService(encoder_or_backend) as sglang:`` opens the ZMQ context its
+    pushes use; leaving waits (bounded) for pushes ZMQ is still writing. The Encoder (or
+    backend) must be open while calls are made; this service never opens or closes it.
+
+    :param source: a running :class:`~encdisagg.Encoder`, or a server backend.
+    :param config: the Encoder's configuration (default: the Encoder's own). Its
+        ``transfer`` picks the mode: ``"mooncake"`` serves SGLang's ``mooncake`` mode,
+        anything else the two ZMQ modes.
+    :param peers: when given, the hosts a push or notice may go to (403 otherwise).
+    :param relay_host: the loopback address the Encoder's own pushes reach this service on.
+    """
+
+    def __init__(
+        self,
+        source: Encoder | Backend,
+        config: EncoderConfig | None = None,
+        *,
+        peers: PeerAllowList | None = None,
+        relay_host: str = "127.0.0.1",
+    ) -> None:
+        if isinstance(source, Encoder):
+            config = config or source.config
+            source = LocalBackend(source)
+        if config is None:
+            raise TypeError("pass the EncoderConfig along with a backend")
+        if config.zmq_curve_server_key is not None or config.zmq_curve_server_keys:
+            # SGLang's receivers speak no CURVE, and the loopback relay holds no secret key.
+            raise BadRequestError("the sglang wire cannot be combined with ZMQ CURVE keys")
+        self._backend = source
+        self._config = config
+        self._peers = peers
+        self._relay_bind = f"tcp://{relay_host}:0"
+        self._pusher = SglangPusher(send_timeout_s=config.zmq_send_timeout_s)
+        self._open = False
+        self._destinations = PushDestinations(
+            ttl_s=config.request_timeout_s + config.send_timeout_s
+        )
+        self._mooncake_parts: OrderedDict[str, _MooncakePart] = OrderedDict()
+
+    @property
+    def mooncake(self) -> bool:
+        """Whether this service serves SGLang's ``mooncake`` mode."""
+        return self._config.transfer == "mooncake"
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[SglangService]:
+        async with self._pusher:
+            self._open = True
+            try:
+                yield self
+            finally:
+                self._open = False
+
+    # -- the calls --------------------------------------------------------------------------
+
+    async def encode(self, body: Mapping[str, object]) -> object:
+        """SGLang's ``/encode``: encode one part, and deliver it as the mode says.
+
+        A checkpoint. ZMQ modes: returns ``None`` once the part was pushed to every
+        destination. Mooncake: returns the body without ``mm_items`` plus
+        ``embedding_size``, ``embedding_len`` and ``embedding_dim``; the part stays staged
+        for the ranks' ``/send``. A failed part is pushed as an error part first (ZMQ
+        modes), then its error raised. Cancelled, the part is released (shielded).
+
+        :raises BadRequestError: bad fields or media (SGLang: 400 / INVALID_ARGUMENT).
+        :raises EncdisaggError: anything else (SGLang: its status / INTERNAL).
+        """
+        message = SglangEncodeBody.from_json(body)
+        self._require_open()
+        request = message.encode
+        if message.push_urls is not None:
+            for url in message.push_urls:
+                self._check_peer("embedding_port", url, request.req_id)
+        if self.mooncake:
+            return await self._encode_mooncake(message, body)
+        try:
+            result = await self._backend.encode(request)
+        except EncdisaggError as exc:
+            await self._fail_part(message, exc)
+            raise
+        try:
+            urls = message.push_urls
+            if urls is None:
+                urls = tuple(
+                    await self._destinations.wait_complete(
+                        request.req_id, self._config.request_timeout_s
+                    )
+                )
+            part = await self._relay(request.req_id)
+            await self._push_all(message, result, part, urls)
+        except EncdisaggError as exc:
+            await self._fail_part(message, exc)
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._release(request.req_id)
+        if message.push_urls is None:
+            self._destinations.finish(request.req_id)
+        return None
+
+    async def scheduler_receive_url(self, body: Mapping[str, object]) -> object:
+        """SGLang's ``/scheduler_receive_url``: a scheduler rank's PULL endpoint for a part.
+
+        Not waiting for the part: returns ``None`` at once (a checkpoint). The first
+        registration fixes ``receive_count``. A part that failed already gets its error
+        part pushed to the new destination before this returns.
+
+        :raises BadRequestError: bad fields, a different ``receive_count``, or the part was
+            pushed already ("Encoder request is not active").
+        """
+        message = ReceiveUrlBody.from_json(body)
+        self._require_open()
+        for index, url in enumerate(message.receive_urls):
+            self._check_peer(f"receive_url[{index}]", url, message.req_id)
+        new = self._destinations.register(
+            message.req_id, message.receive_count, message.receive_urls
+        )
+        entry = self._destinations.get(message.req_id)
+        if entry.failure is not None and new:
+            error_msg, error_code = entry.failure
+            await self._push_errors(message.req_id, new, error_msg, error_code)
+        await anyio.lowlevel.checkpoint()
+        return None
+
+    async def scheduler_receive_meta_data(self, body: Mapping[str, object]) -> object:
+        """SGLang's ``/scheduler_receive_meta_data`` (Mooncake): the part's sizes, once known.
+
+        A checkpoint; waits at most ``request_timeout_s``. A failed part raises
+        :class:`~encdisagg.InternalError` with the part's message (SGLang answers 500).
+
+        :raises RequestTimeoutError: nothing was published in time (504).
+        """
+        message = MetadataBody.from_json(body)
+        self._require_open()
+        try:
+            result = await self._backend.metadata(message)
+        except (BadRequestError, RequestTimeoutError):
+            raise
+        except EncdisaggError as exc:
+            raise InternalError(exc.message, req_id=message.req_id) from None
+        return metadata_answer(
+            message.req_id, message.part_idx, result.nbytes, result.num_tokens, result.hidden_size
+        )
+
+    async def send(self, body: Mapping[str, object]) -> object:
+        """SGLang's ``/send`` (Mooncake): write the part into the rank's buffer, then push
+        the completion notice to ``prefill_host:embedding_port``; returns ``None``.
+
+        A checkpoint. Each rank sends its own ``/send``; the part is released once
+        ``receive_count`` distinct ranks were served. Cancelled, returns only after the
+        write stopped touching memory.
+
+        :raises BadRequestError: bad fields, or this server does not run Mooncake.
+        :raises InternalError: the part is unknown, released or failed, or the write or
+            notice failed (SGLang answers 500, so its receiver fails fast).
+        """
+        message = SglangSendBody.from_json(body)
+        self._require_open()
+        req_id = message.send.req_id
+        if not self.mooncake:
+            raise BadRequestError(
+                "/send needs an encoder serving transfer='mooncake' (the ZMQ modes push)",
+                req_id=req_id,
+            )
+        self._check_peer("prefill_host", message.notice_url, req_id)
+        info = self._mooncake_parts.get(req_id)
+        if info is None:
+            raise InternalError(f"req_id {req_id!r}: no staged embedding", req_id=req_id)
+        try:
+            result = await self._backend.metadata(MetadataBody(req_id, message.part_idx or 0))
+            await self._backend.send(message.send)
+            part = self._part(req_id, info.num_parts, message.part_idx, info.modality, result)
+            notice = sglang_header(part)
+            await self._pusher.push(
+                message.notice_url, [notice], what=f"completion notice of {req_id!r}"
+            )
+        except BadRequestError:
+            raise
+        except EncdisaggError as exc:
+            self._mooncake_parts.pop(req_id, None)
+            raise InternalError(exc.message, req_id=req_id) from None
+        destination = message.send.destination
+        assert not isinstance(destination, ZmqDestination)
+        info.sent_to.add(destination.endpoint)
+        count = message.send.receive_count or self._config.default_receive_count
+        if len(info.sent_to) >= count:
+            self._mooncake_parts.pop(req_id, None)
+        return None
+
+    # -- the parts of the calls --------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if not self._open:
+            raise TransferError("the SGLang service is not running")
+
+    def _check_peer(self, name: str, url: str, req_id: str) -> None:
+        if self._peers is not None:
+            self._peers.check(name, url.removeprefix("tcp://"), req_id=req_id)
+
+    async def _encode_mooncake(
+        self, message: SglangEncodeBody, body: Mapping[str, object]
+    ) -> object:
+        request = message.encode
+        self._remember(request.req_id, request.num_parts, message.modality)
+        try:
+            result = await self._backend.encode(request)
+        except BaseException:
+            self._mooncake_parts.pop(request.req_id, None)
+            raise
+        answer = {key: value for key, value in body.items() if key != "mm_items"}
+        answer.update(
+            embedding_size=result.nbytes,
+            embedding_len=result.num_tokens,
+            embedding_dim=result.hidden_size,
+        )
+        return answer
+
+    def _remember(self, req_id: str, num_parts: int, modality: Modality) -> None:
+        now = anyio.current_time()
+        ttl = self._config.request_timeout_s + self._config.send_timeout_s
+        parts = self._mooncake_parts
+        while parts:
+            oldest = next(iter(parts.values()))
+            if now - oldest.created <= ttl and len(parts) < _MAX_PARTS:
+                break
+            parts.popitem(last=False)
+        parts[req_id] = _MooncakePart(num_parts, modality, now)
+        parts.move_to_end(req_id)
+
+    async def _relay(self, req_id: str) -> ReceivedPart:
+        """The staged part's bytes, pushed by the Encoder to a loopback socket of ours.
+
+        The Encoder counts the loopback socket as the part's one destination and releases
+        the part once its push is done.
+        """
+        found: list[ReceivedPart] = []
+        arrived = anyio.Event()
+        async with ZmqReceiver(self._relay_bind, max_payload_bytes=None) as relay:
+            destination = ZmqDestination(relay.url)
+
+            async def take() -> None:
+                while True:
+                    try:
+                        received = await relay.receive()
+                    except BadRequestError as exc:
+                        _log.warning("dropped a malformed relay message: %s", exc)
+                        continue
+                    if received.header.req_id == req_id:
+                        found.append(received)
+                        arrived.set()
+                        return
+
+            with collapse_single_error():
+                async with anyio.create_task_group() as group:
+                    group.start_soon(take)
+                    with anyio.move_on_after(self._config.zmq_send_timeout_s):
+                        await self._backend.send(SendBody(req_id, destination, 1))
+                        await arrived.wait()
+                    group.cancel_scope.cancel()
+        if not found:
+            raise TransferError(
+                f"req_id {req_id!r}: the staged embedding did not reach the relay within "
+                f"{self._config.zmq_send_timeout_s} s",
+                req_id=req_id,
+            )
+        part = found[0]
+        if part.header.error is not None:
+            raise _error_of_status(part.header.status, part.header.error, req_id)
+        return part
+
+    async def _push_all(
+        self,
+        message: SglangEncodeBody,
+        result: EncodeResult,
+        received: ReceivedPart,
+        urls: tuple[str, ...],
+    ) -> None:
+        request = message.encode
+        part = self._part(
+            request.req_id, request.num_parts, request.part_idx, message.modality, result
+        )
+        header = sglang_header(part)
+        assert received.tensor is not None
+        payload = payload_view(received.tensor)
+        what = f"SGLang push of req_id {request.req_id!r}"
+        failures: list[TransferError] = []
+
+        async def push(url: str) -> None:
+            try:
+                await self._pusher.push(url, [header, payload], what=f"{what} to {url}")
+            except TransferError as exc:
+                failures.append(exc)
+
+        async with anyio.create_task_group() as group:
+            for url in urls:
+                group.start_soon(push, url)
+        if failures:
+            # The first failure speaks for all; the others were logged beside it.
+            for other in failures[1:]:
+                _log.warning("%s", other)
+            failures[0].req_id = request.req_id
+            raise failures[0]
+
+    async def _fail_part(self, message: SglangEncodeBody, exc: EncdisaggError) -> None:
+        """Push ``exc`` as an error part to every destination known (and, in scheduler
+        mode, to those registering later). Errors pushing it are logged, never raised."""
+        request = message.encode
+        status = exc.status if 100 <= exc.status <= 599 else 500
+        if message.push_urls is not None:
+            urls = list(message.push_urls)
+        else:
+            urls = self._destinations.finish(request.req_id, (exc.message, status))
+        with anyio.CancelScope(shield=True):
+            await self._push_errors(request.req_id, urls, exc.message, status, message)
+
+    async def _push_errors(
+        self,
+        req_id: str,
+        urls: list[str],
+        error_msg: str,
+        error_code: int,
+        message: SglangEncodeBody | None = None,
+    ) -> None:
+        num_parts, part_idx, modality = 1, 0, Modality.IMAGE
+        if message is not None:
+            num_parts = message.encode.num_parts
+            part_idx = message.encode.part_idx
+            modality = message.modality
+        header = sglang_header(
+            SglangPart(
+                req_id=req_id,
+                num_parts=num_parts,
+                part_idx=part_idx,
+                modality=modality,
+                send_time=time.time(),
+                error_msg=error_msg,
+                error_code=error_code,
+            )
+        )
+
+        async def push(url: str) -> None:
+            try:
+                await self._pusher.push(url, [header], what=f"error part of {req_id!r}")
+            except TransferError as exc:
+                _log.warning("could not push the error part of %s to %s: %s", req_id, url, exc)
+
+        async with anyio.create_task_group() as group:
+            for url in urls:
+                group.start_soon(push, url)
+
+    @staticmethod
+    def _part(
+        req_id: str,
+        num_parts: int,
+        part_idx: int | None,
+        modality: Modality,
+        result: EncodeResult,
+    ) -> SglangPart:
+        return SglangPart(
+            req_id=req_id,
+            num_parts=num_parts,
+            part_idx=part_idx or 0,
+            modality=modality,
+            send_time=time.time(),
+            grid=result.grid,
+            shape=(result.num_tokens, result.hidden_size),
+            dtype=result.dtype,
+        )
+
+    async def _release(self, req_id: str) -> None:
+        try:
+            with anyio.move_on_after(self._config.cleanup_timeout_s):
+                await self._backend.release(req_id)
+        except EncdisaggError as exc:
+            _log.warning("releasing %s failed: %s", req_id, exc)
+
+
+_ERRORS_BY_STATUS: Final[dict[int, type[EncdisaggError]]] = {
+    error.status: error
+    for error in (
+        BadRequestError,
+        NotFoundError,
+        RequestNotActiveError,
+        RequestTimeoutError,
+        TransferError,
+        ServiceUnavailableError,
+    )
+}
+
+
+def _error_of_status(status: int | None, message: str, req_id: str) -> EncdisaggError:
+    """The error of our hierarchy an error part's status names."""
+    return _ERRORS_BY_STATUS.get(status or 500, InternalError)(message, req_id=req_id)
