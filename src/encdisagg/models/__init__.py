@@ -20,6 +20,7 @@ from ._grids import (
     qwen3_audio_output_length as qwen3_audio_output_length,
     select_grid as select_grid,
 )
+from ._kimi import KimiVisionModel as KimiVisionModel
 from ._loading import BUILTIN_MODELS as BUILTIN_MODELS, load_model as load_model
 from ._media import (
     DEFAULT_MAX_MEDIA_BYTES as DEFAULT_MAX_MEDIA_BYTES,
@@ -51,6 +52,7 @@ __all__ = (
     "BUILTIN_MODELS",
     "QwenVisionModel",
     "NullVisionModel",
+    "KimiVisionModel",
     "MediaPolicy",
     "DEFAULT_MAX_MEDIA_BYTES",
     "load_image",

@@ -17,6 +17,7 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from .._errors import BadRequestError
+from ._kimi import KimiVisionModel
 from ._media import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
 from ._qwen import VIDEO_CONFIG_NAME, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, QwenVisionModel
 from ._tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
@@ -27,7 +28,20 @@ _BUILDERS: Final[dict[str, Callable[[], PreTrainedModel]]] = {
     "tiny": lambda: build_tiny_qwen2_vl().model.visual,
     "tiny-qwen2.5-vl": lambda: build_tiny_qwen2_5_vl().model.visual,
 }
-BUILTIN_MODELS: Final = tuple(_BUILDERS)
+# --- Kimi-K2.5: its own adapter and loader (_kimi_loading, imported on use) ---------------
+_KIMI_BUILTINS: Final = ("tiny-kimi-k25",)
+
+
+def _kimi_loader(name: str) -> Callable[..., KimiVisionModel] | None:
+    """``load_kimi`` when ``name`` is a Kimi-K2.5 built-in or checkpoint folder, else None."""
+    from ._kimi_loading import is_kimi_checkpoint, load_kimi  # it reuses this module's helpers
+
+    if name in _KIMI_BUILTINS or is_kimi_checkpoint(Path(name).expanduser()):
+        return load_kimi
+    return None
+
+
+BUILTIN_MODELS: Final = (*_BUILDERS, *_KIMI_BUILTINS)
 
 # model_type of a checkpoint's config.json -> (vision config class, tower class). Full
 # checkpoints (``qwen2_vl``) keep the tower under ``vision_config`` and ``model.visual.*``
@@ -177,7 +191,7 @@ def load_model(
     remote_media_timeout_s: float = 10.0,
     allow_local_files: bool = True,
     max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
-) -> QwenVisionModel:
+) -> QwenVisionModel | KimiVisionModel:
     """Load a vision model by built-in name or from a local checkpoint folder. Blocks while it
     builds or reads the weights; never touches the network.
 
@@ -187,6 +201,9 @@ def load_model(
     ``config.json`` (a Qwen2-VL / Qwen2.5-VL vision tower, or a full Qwen2-VL / Qwen2.5-VL
     checkpoint, whose language model is skipped), safetensors weights and
     ``preprocessor_config.json``.
+
+    Kimi-K2.5 (:class:`KimiVisionModel`): the built-in ``"tiny-kimi-k25"``, or a folder whose
+    ``config.json`` is a ``kimi_k25`` checkpoint (transformers 5 layout) or its vision half.
 
     :param dtype: the tower's dtype; ``None`` means the checkpoint's own (``float32`` for the
         built-in models).
@@ -210,6 +227,8 @@ def load_model(
     wanted_dtype = parse_dtype(dtype)
     target = _parse_device(device)
     name = str(name_or_path)
+    if kimi := _kimi_loader(name):
+        return kimi(name, dtype=wanted_dtype, device=target, media=media)
     video_limits = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
     if name in _BUILDERS:
         tower = _BUILDERS[name]()

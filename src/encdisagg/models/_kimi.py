@@ -1,0 +1,357 @@
+"""Kimi-K2.5 vision behind the ``VisionModel`` protocol.
+
+The embeddings a Kimi-K2.5 language model consumes are the vision tower's pooled patches
+(``Kimi_K25VisionModel``: every ``merge_kernel_size`` block of patches, averaged over the
+frames of a clip) passed through the multimodal projector (``Kimi_K25MultimodalProjection``),
+exactly as ``Kimi_K25Model.get_image_features`` computes them; so one item of grid
+``[t, h, w]`` becomes ``h*w / (merge_h*merge_w)`` tokens of the text model's width
+(:func:`~encdisagg.models.kimi_grid_tokens`). Images go through
+:class:`~._kimi_processor.Kimi_K25ImageProcessorPil`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, final
+
+import torch
+from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+from transformers.models.kimi_k25.modeling_kimi_k25 import (
+    Kimi_K25MultimodalProjection,
+    Kimi_K25PreTrainedModel,
+    Kimi_K25VisionModel,
+)
+
+from .._errors import BadRequestError, InternalError
+from .._modality import Modality
+from ._grids import kimi_grid_tokens
+from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule
+from ._media import MediaPolicy, item_label, load_image
+from ._media_limits import MediaLimits, PixelBudget, derived_image_pixels
+from ._protocol import Preprocessed, split_embedding
+from ._qwen import _PROVENANCE_KEYS, _update_with_tensor, state_digest
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+__all__ = ["KimiK25VisionEncoder", "KimiVisionModel"]
+
+PIXEL_VALUES: Final = "pixel_values"
+GRID_THWS: Final = "grid_thws"
+
+
+class KimiK25VisionEncoder(Kimi_K25PreTrainedModel):  # type: ignore[no-untyped-call]
+    """The vision half of ``Kimi_K25Model``: its ``vision_tower`` and ``mm_projector``,
+    under the same names, so a full checkpoint's vision weights load into it as they are.
+
+    ``forward(pixel_values, grid_thw)`` returns ``[tokens, text_hidden_size]``: the
+    projected pooled patches of every item, one item after the other. Blocks on compute.
+    """
+
+    config_class = Kimi_K25Config
+
+    def __init__(self, config: Kimi_K25Config) -> None:
+        super().__init__(config)
+        # transformers' constructors are unannotated; Any keeps mypy's strict mode quiet.
+        tower_class: Any = Kimi_K25VisionModel
+        projector_class: Any = Kimi_K25MultimodalProjection
+        self.vision_tower = tower_class._from_config(config.vision_config)
+        self.mm_projector = projector_class(config)
+        initialise: Any = self.post_init
+        initialise()
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        pooled = self.vision_tower(pixel_values, grid_thw=grid_thw).pooler_output
+        projected: torch.Tensor = self.mm_projector(pooled).squeeze(1)
+        return projected
+
+
+def _architecture(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Provenance keys stripped at every level: the vision and text sub-configs carry their
+    # own ``dtype``, which a save/load round trip fills in.
+    return {
+        key: _architecture(value) if isinstance(value, Mapping) else value
+        for key, value in config.items()
+        if key not in _PROVENANCE_KEYS
+    }
+
+
+def _merge_kernel(config: Any) -> tuple[int, int]:
+    merge_h, merge_w = (int(size) for size in config.vision_config.merge_kernel_size)
+    return merge_h, merge_w
+
+
+@final
+class KimiVisionModel:
+    """A Kimi-K2.5 vision tower and projector with its image processor.
+
+    Build one with :func:`~encdisagg.models.load_model` (``"tiny-kimi-k25"`` or a
+    ``kimi_k25`` checkpoint folder). ``preprocess`` is safe to call from several threads at
+    once; ``forward`` must be called by one thread at a time, any thread.
+
+    :param encoder: the vision encoder, already on its device and dtype.
+    :param image_processor: the processor whose settings fix the grids.
+    :param name: the model's name (a built-in name or the checkpoint folder).
+    :param media: which media items may be and where they may come from.
+    :param limits: the media budgets of a request whose caller passes none.
+    :raises BadRequestError: naming ``model`` if the processor's patch or merge size does
+        not match the tower's.
+    """
+
+    def __init__(
+        self,
+        encoder: KimiK25VisionEncoder,
+        image_processor: Kimi_K25ImageProcessorPil,
+        *,
+        name: str,
+        media: MediaPolicy | None = None,
+        limits: MediaLimits | None = None,
+    ) -> None:
+        config: Any = encoder.config
+        merge_h, merge_w = _merge_kernel(config)
+        patch = int(config.vision_config.patch_size)
+        merge = int(image_processor.merge_size)
+        if int(image_processor.patch_size) != patch or merge_h != merge or merge_w != merge:
+            raise BadRequestError(
+                f"model: {name!r} has a processor with patch_size={image_processor.patch_size}"
+                f", merge_size={merge}, but its tower has patch_size={patch}, "
+                f"merge_kernel_size={[merge_h, merge_w]}"
+            )
+        module: torch.nn.Module = encoder
+        module.train(False)  # eval mode; via the base class, whose annotations mypy sees
+        self._encoder = encoder
+        self._name = name
+        self._merge_kernel = (merge_h, merge_w)
+        self._hidden_size = int(config.text_config.hidden_size)
+        self._media = media or MediaPolicy()
+        self._limits = limits or MediaLimits()
+        self._processor_config: dict[str, Any] = image_processor.to_dict()
+        self._rule = KimiResizeRule(
+            factor=patch * merge,
+            min_pixels=1,
+            max_pixels=int(image_processor.max_patches) * patch * patch,
+            patch_size=patch,
+            merge_size=merge,
+            max_patches=int(image_processor.max_patches),
+            max_side_patches=int(image_processor.size["max_height"]),
+        )
+        self._threads = threading.local()
+        self._threads.processor = image_processor
+        identity = hashlib.sha256()
+        identity.update(b"kimi_k25")
+        identity.update(
+            json.dumps(_architecture(config.to_dict()), sort_keys=True, default=str).encode()
+        )
+        identity.update(json.dumps(self._processor_config, sort_keys=True, default=str).encode())
+        identity.update(state_digest(encoder).encode())
+        self._identity = identity.hexdigest()
+
+    # --- identity and shape -------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The built-in name or checkpoint folder this model was loaded from."""
+        return self._name
+
+    @property
+    def identity(self) -> str:
+        """sha256 over the architecture, processor settings and weights; part of cache keys."""
+        return self._identity
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the embeddings: the projector's output, the text model's hidden size."""
+        return self._hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The encoder's dtype, which its embeddings have too."""
+        dtype: torch.dtype = self._encoder.dtype
+        return dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the encoder runs and its embeddings are returned."""
+        device: torch.device = self._encoder.device
+        return device
+
+    @property
+    def merge_kernel_size(self) -> tuple[int, int]:
+        """Patches pooled into one token along height and width."""
+        return self._merge_kernel
+
+    @property
+    def modalities(self) -> frozenset[Modality]:
+        """The modalities ``preprocess`` accepts."""
+        return frozenset({Modality.IMAGE})
+
+    @property
+    def tower(self) -> KimiK25VisionEncoder:
+        """The underlying vision tower and projector."""
+        return self._encoder
+
+    def __repr__(self) -> str:
+        return (
+            f"KimiVisionModel(name={self._name!r}, hidden_size={self._hidden_size}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+    # --- preprocessing ------------------------------------------------------------------
+
+    def _processor(self) -> Kimi_K25ImageProcessorPil:
+        # A private copy per thread, as for the Qwen models: third-party state is never
+        # shared between concurrent preprocess calls.
+        processor: Kimi_K25ImageProcessorPil | None = getattr(self._threads, "processor", None)
+        if processor is None:
+            processor = Kimi_K25ImageProcessorPil.from_dict(dict(self._processor_config))
+            self._threads.processor = processor
+        return processor
+
+    #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
+    accepts_media_limits: Final = True
+
+    @property
+    def media_limits(self) -> MediaLimits:
+        """The budgets ``preprocess`` applies when its caller passes none."""
+        return self._limits
+
+    def preprocess(
+        self,
+        items: Sequence[object],
+        modality: Modality | str,
+        *,
+        limits: MediaLimits | None = None,
+    ) -> Preprocessed:
+        """Decode and preprocess one request's images. Blocks on CPU work, file reads and
+        (when enabled) media downloads.
+
+        Each image becomes one ``(1, h, w)`` grid row (``grid_thws``, in patches) and
+        ``h*w / (merge_h*merge_w)`` tokens. The budgets (``limits``, else
+        :attr:`media_limits`) are checked against each item's header before it is decoded.
+
+        :raises BadRequestError: naming ``modality`` for one this model does not encode,
+            ``mm_items`` if ``items`` is not a list or has more than ``max_items``, or
+            ``mm_items[i]`` for an item that cannot be fetched, decoded or preprocessed,
+            or that passes a budget.
+        """
+        modality = Modality.parse(modality)
+        if modality not in self.modalities:
+            raise BadRequestError(
+                f"modality {modality.value!r} is not supported by model {self._name!r} "
+                "(supported: image)"
+            )
+        if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
+            raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
+        budget = self._budget(limits or self._limits, len(items))
+        processor = self._processor()
+        pixel_values: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        for index, item in enumerate(items):
+            image = load_image(item, index, self._media, budget=budget)
+            values, grid = self._image_patches(processor, image, index)
+            pixel_values.append(values)
+            grids.append(grid)
+        if not grids:
+            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
+        grid_thws = torch.cat(grids)
+        rows = tuple(tuple(int(size) for size in row) for row in grid_thws.tolist())
+        try:
+            token_counts = tuple(kimi_grid_tokens(row, self._merge_kernel) for row in rows)
+        except ValueError as exc:  # a processor whose padding disagrees with the tower
+            raise InternalError(f"model {self._name!r}: {exc}") from exc
+        features = {PIXEL_VALUES: torch.cat(pixel_values), GRID_THWS: grid_thws}
+        return Preprocessed(
+            token_counts=token_counts,
+            grid=rows,
+            features=features,
+            cache_key=self._cache_key(features, rows),
+        )
+
+    def _budget(self, limits: MediaLimits, count: int) -> PixelBudget:
+        limits.check_items(count)
+        image_pixels = limits.max_image_pixels or derived_image_pixels(self._rule.max_pixels)
+        return PixelBudget(
+            limits, image_pixels=image_pixels, image_rule=self._rule, video_rule=self._rule
+        )
+
+    def _image_patches(
+        self, processor: Kimi_K25ImageProcessorPil, image: Image.Image, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            out = processor(images=[image], return_tensors="pt")
+        except (ValueError, TypeError) as exc:
+            raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
+        return out[PIXEL_VALUES], out["image_grid_thw"]
+
+    def _cache_key(
+        self, features: Mapping[str, torch.Tensor], grid: tuple[tuple[int, ...], ...]
+    ) -> str:
+        digest = hashlib.sha256()
+        digest.update(self._identity.encode())
+        digest.update(json.dumps(grid).encode())
+        for key in sorted(features):
+            digest.update(key.encode())
+            _update_with_tensor(digest, features[key])
+        return digest.hexdigest()
+
+    # --- forward ------------------------------------------------------------------------
+
+    def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
+        """Encode a batch in one fused call; one ``[tokens, hidden_size]`` tensor per
+        element, on :attr:`device` in :attr:`dtype`. Blocks on the encoder's compute.
+
+        :raises InternalError: if an element lacks this model's features, or the encoder
+            produced a different number of tokens than the elements' ``token_counts``.
+        """
+        if not batch:
+            return []
+        pixel_values: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        totals: list[int] = []
+        for number, element in enumerate(batch):
+            totals.append(element.num_tokens)
+            if not element.token_counts:
+                continue
+            values = element.features.get(PIXEL_VALUES)
+            grid = element.features.get(GRID_THWS)
+            if not isinstance(values, torch.Tensor) or not isinstance(grid, torch.Tensor):
+                raise InternalError(
+                    f"batch[{number}] has no {PIXEL_VALUES}/{GRID_THWS} features; "
+                    f"it was not preprocessed by model {self._name!r}"
+                )
+            pixel_values.append(values)
+            grids.append(grid)
+        if not grids:
+            return [self._empty() for _ in batch]
+        with torch.inference_mode():
+            rows: torch.Tensor = self._encoder(
+                torch.cat(pixel_values).to(self.device, self.dtype),
+                torch.cat(grids).to(self.device),
+            )
+        pieces = split_embedding(rows, totals)
+        if rows.shape[1] != self._hidden_size:
+            raise InternalError(
+                f"Encoder produced {rows.shape[1]}-wide tokens, expected {self._hidden_size}"
+            )
+        # Ordinary tensors with their own storage, as QwenVisionModel.forward explains.
+        return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((0, self._hidden_size), dtype=self.dtype, device=self.device)
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write a checkpoint folder :func:`~encdisagg.models.load_model` loads back
+        bit-identically: ``config.json`` (the full ``kimi_k25`` config) and
+        ``model.safetensors`` (``vision_tower.*`` and ``mm_projector.*``), and
+        ``preprocessor_config.json``. Blocks on disk I/O.
+        """
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._encoder.save_pretrained(folder)
+        Kimi_K25ImageProcessorPil.from_dict(dict(self._processor_config)).save_pretrained(folder)
