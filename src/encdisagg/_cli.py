@@ -95,6 +95,13 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="SECONDS",
         help="the registry lease: how long a dead server stays routable at most (default 5)",
     )
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        metavar="PORT",
+        help="also serve SGLang's SglangEncoder gRPC service (with health and reflection) on "
+        "--host:PORT; 0 picks a free one (needs the grpc extra; docs/sglang.md)",
+    )
     parser.set_defaults(handler=_serve)
 
 

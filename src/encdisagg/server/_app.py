@@ -30,6 +30,7 @@ from ..nurseries import run_thread_to_completion
 from ._access import ApiKey, PeerAllowList
 from ._backend import Backend, LocalBackend
 from ._dp import DataParallelBackend
+from ._grpc_serving import grpc_beside
 from ._json import decode_body, shown
 from ._lifespan import ServiceLifespan
 from ._logs import note_req_id
@@ -149,7 +150,10 @@ class EncoderService:
             self._backend = backend
             self.draining = False
             try:
-                yield backend
+                # SGLang's gRPC encoder service (settings.grpc_port): up after the Encoder,
+                # stopped before it closes.
+                async with grpc_beside(self, backend):
+                    yield backend
             finally:
                 # Closing drains: not ready from the first moment on.
                 self.draining = True

@@ -26,6 +26,7 @@ from ..models import BUILTIN_MODELS
 from ._access import is_loopback_host
 from ._app import create_app
 from ._backend import SERVER_MODELS
+from ._grpc_serving import grpc_url
 from ._logs import LOG_FORMATS, LogFormat, configure_logging
 from ._malloc import return_large_frees_to_the_os
 from ._registered import ServerRegistration
@@ -56,6 +57,7 @@ CONFIG_FLAGS: Final = {
 SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {
     "host": str,
     "port": int,
+    "grpc_port": int,
     "dp": int,
     "worker_class": str,
     "log_level": str,
@@ -187,6 +189,7 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             worker_log_level=str(options["log_level"]).lower(),
             worker_log_format=options["log_format"],
             **_registry_options(args, server),
+            **_grpc_options(args, server, options["host"]),
         )
     except BadRequestError as exc:
         flags = {
@@ -197,6 +200,8 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             "allowed_peers": "--allowed-peers",
             "registry_lease_ttl_s": "--registry-lease-ttl",
             "registry": "--registry",
+            "grpc_port": "--grpc-port",
+            "grpc_host": "--host",
         }
         flag = next((f for key, f in flags.items() if exc.message.startswith(key)), "")
         raise UsageError(f"{flag}: {exc.message}" if flag else exc.message) from None
@@ -237,6 +242,24 @@ def _registry_options(args: argparse.Namespace, server: dict[str, Any]) -> dict[
     if ttl is not None:
         options["registry_lease_ttl_s"] = ttl
     return options
+
+
+def _grpc_options(args: argparse.Namespace, server: dict[str, Any], host: str) -> dict[str, Any]:
+    """``--grpc-port`` / ``server.grpc_port`` (served on ``host``), as ServerSettings fields.
+
+    :raises UsageError: when a package of the ``grpc`` extra is missing.
+    """
+    port = getattr(args, "grpc_port", None)
+    if port is None:
+        port = server.get("grpc_port")
+    if port is None:
+        return {}
+    from ._grpc import grpc_missing
+
+    problem = grpc_missing()
+    if problem is not None:
+        raise UsageError(problem)
+    return {"grpc_port": port, "grpc_host": host}
 
 
 def warn_if_exposed(host: str, settings: ServerSettings) -> bool:
@@ -290,6 +313,9 @@ async def _main(options: ServeOptions) -> None:
 
     def on_serving(url: str) -> None:
         _announce(url)
+        grpc = grpc_url(service)
+        if grpc is not None:
+            print(f"encdisagg gRPC serving on {grpc}", flush=True)
         registration.on_serving(url)
 
     async with anyio.create_task_group() as group, registration:

@@ -1,0 +1,96 @@
+"""The gRPC server of an encoder app: what it calls, when it says SERVING, how it stops.
+
+:func:`grpc_beside` runs inside the encoder service's lifespan (``EncoderService.open``),
+once the Encoder (or the data-parallel workers) run, and is left before they close:
+
+- the RPCs call an :class:`~._sglang_service.SglangService` of their own over the running
+  backend, whichever ``wire`` the HTTP routes speak. Its part state (registered
+  destinations, Mooncake parts awaiting ``Send``) is its own: a part encoded over gRPC is
+  registered and sent over gRPC, as SGLang's gRPC language side does anyway;
+- health says SERVING exactly when ``/health/ready`` answers 200: NOT_SERVING from the
+  first moment of a drain (``encdisagg serve``'s first signal), while the gRPC server
+  still serves the RPCs that finish the parts in flight;
+- leaving stops the gRPC server (new RPCs refused, those in flight get the Encoder's
+  ``shutdown_grace_s``, then are cancelled) before the Encoder releases what is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
+
+from ._access import ApiKey
+from ._backend import Backend
+from ._grpc import GrpcServer, grpc_missing
+from ._probes import readiness_problem
+
+if TYPE_CHECKING:
+    from ._app import EncoderService
+
+__all__ = ["grpc_beside", "grpc_url"]
+
+#: The gRPC server running beside each service, while it runs.
+_RUNNING: WeakKeyDictionary[EncoderService, GrpcServer] = WeakKeyDictionary()
+
+
+def grpc_url(service: EncoderService) -> str | None:
+    """``grpc://host:port`` of the gRPC server beside ``service`` (the form SGLang's
+    ``--encoder-urls`` takes), or ``None`` when none runs. Not async."""
+    server = _RUNNING.get(service)
+    if server is None:
+        return None
+    host = service.settings.grpc_host
+    return f"grpc://{f'[{host}]' if ':' in host else host}:{server.port}"
+
+
+@asynccontextmanager
+async def grpc_beside(
+    service: EncoderService, backend: Backend, sglang: object | None = None
+) -> AsyncGenerator[GrpcServer | None]:
+    """Serve SGLang's gRPC encoder service beside ``service``'s routes while entered.
+
+    Does nothing (yields ``None``) unless ``service.settings.grpc_port`` is set. Entering is
+    a checkpoint that returns once the gRPC server listens; leaving is shielded and bounded
+    (see :class:`~._grpc.GrpcServer`).
+
+    :param sglang: the SGLang calls to serve (anything with ``encode``, ``send`` and
+        ``scheduler_receive_url``); by default one is opened over ``backend``.
+    :raises RuntimeError: naming the ``grpc`` extra, when a package of it is missing.
+    :raises OSError: if the gRPC address cannot be bound.
+    """
+    settings = service.settings
+    if settings.grpc_port is None:
+        yield None
+        return
+    problem = grpc_missing()
+    if problem is not None:
+        raise RuntimeError(problem)
+
+    def ready() -> bool:
+        # Asked from the gRPC thread: plain reads of the service's state.
+        return readiness_problem(service.backend, draining=service.draining) is None
+
+    async with AsyncExitStack() as stack:
+        if sglang is None:
+            from ._sglang_service import SglangService
+
+            sglang = await stack.enter_async_context(
+                SglangService(backend, service.config, peers=service.peers)
+            )
+        server = GrpcServer(
+            sglang,
+            host=settings.grpc_host,
+            port=settings.grpc_port,
+            ready=ready,
+            api_key=None if settings.api_key is None else ApiKey(settings.api_key),
+            max_message_bytes=settings.max_body_bytes,
+            grace_s=service.config.shutdown_grace_s,
+        )
+        await stack.enter_async_context(server)
+        _RUNNING[service] = server
+        try:
+            yield server
+        finally:
+            del _RUNNING[service]
