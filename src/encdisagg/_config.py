@@ -145,6 +145,14 @@ class EncoderConfig:
     #: Most pixels of one request's items as the model sees them (after its resize): a
     #: 400 past it; video frames are sampled, while decoding, to fit what is left.
     max_request_pixels: int = 16_777_216
+    #: Longest audio item in seconds, from its header (and checked again while decoding):
+    #: a 400 past it. ``None``: the model's window (30 s for Qwen2-Audio / Qwen2.5-Omni),
+    #: which also caps any larger value.
+    max_audio_seconds: float | None = None
+    #: Highest sample rate of an audio item, in Hz, from its header: a 400 past it.
+    max_audio_sample_rate: int = 192_000
+    #: Most channels of an audio item, from its header (they are averaged to mono).
+    max_audio_channels: int = 8
     #: Bound on preprocessed inputs waiting for (or in) a forward, in MiB; while over it,
     #: new encodes answer 503 with ``Retry-After``. ``None``: unbounded.
     queued_memory_limit_mb: int | None = 256
@@ -214,6 +222,13 @@ class EncoderConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BadRequestError(f"{name} must be at least 1 or null; got {value}")
+        if self.max_audio_seconds is not None and not 0 < self.max_audio_seconds < float("inf"):
+            raise BadRequestError(
+                f"max_audio_seconds must be a positive number or null; got {self.max_audio_seconds}"
+            )
+        for name in ("max_audio_sample_rate", "max_audio_channels"):
+            if getattr(self, name) < 1:
+                raise BadRequestError(f"{name} must be at least 1; got {getattr(self, name)}")
 
     @property
     def arena_bytes(self) -> int:

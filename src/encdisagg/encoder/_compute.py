@@ -47,6 +47,9 @@ def media_limits(config: EncoderConfig) -> MediaLimits:
         max_items=config.max_items_per_request,
         max_image_pixels=config.max_image_pixels,
         max_request_pixels=config.max_request_pixels,
+        max_audio_seconds=config.max_audio_seconds,
+        max_audio_sample_rate=config.max_audio_sample_rate,
+        max_audio_channels=config.max_audio_channels,
     )
 
 

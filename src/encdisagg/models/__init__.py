@@ -6,6 +6,8 @@
   ``"tiny-qwen2.5-vl"``, or a local checkpoint folder; returns a :class:`QwenVisionModel`.
 - :class:`NullVisionModel`: the protocol without compute, for benchmarks and tests.
 - :class:`MediaPolicy`: which media items are accepted, and from where.
+- :class:`QwenAudioModel`: Qwen2-Audio / Qwen2.5-Omni audio encoders (``"tiny-qwen2-audio"``,
+  ``"tiny-qwen2.5-omni-audio"`` or a checkpoint) over Whisper log-mel features.
 - Grid helpers: token counts of Qwen ``(t, h, w)`` grids, Kimi ``[h, w]`` grids and Qwen audio.
 - The tiny configs and builders, so a pipeline can build the matching tiny language model.
 """
@@ -35,6 +37,7 @@ from ._protocol import (
     split_embedding as split_embedding,
 )
 from ._qwen import QwenVisionModel as QwenVisionModel
+from ._qwen_audio import QwenAudioModel as QwenAudioModel
 from ._tiny import (
     TINY_SEED as TINY_SEED,
     TINY_TEXT_HIDDEN_SIZE as TINY_TEXT_HIDDEN_SIZE,
@@ -71,6 +74,7 @@ __all__ = (
     "tiny_qwen2_5_vl_config",
     "build_tiny_qwen2_vl",
     "build_tiny_qwen2_5_vl",
+    "QwenAudioModel",
 )
 
 for _name in __all__:

@@ -17,9 +17,11 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from .._errors import BadRequestError
+from ._audio_loading import AUDIO_BUILTIN_MODELS, is_audio_model, load_audio_model
 from ._kimi import KimiVisionModel
 from ._media import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
 from ._qwen import VIDEO_CONFIG_NAME, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, QwenVisionModel
+from ._qwen_audio import QwenAudioModel
 from ._tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
 
 __all__ = ["BUILTIN_MODELS", "load_model", "parse_dtype"]
@@ -41,7 +43,7 @@ def _kimi_loader(name: str) -> Callable[..., KimiVisionModel] | None:
     return None
 
 
-BUILTIN_MODELS: Final = (*_BUILDERS, *_KIMI_BUILTINS)
+BUILTIN_MODELS: Final = (*_BUILDERS, *_KIMI_BUILTINS, *AUDIO_BUILTIN_MODELS)
 
 # model_type of a checkpoint's config.json -> (vision config class, tower class). Full
 # checkpoints (``qwen2_vl``) keep the tower under ``vision_config`` and ``model.visual.*``
@@ -191,7 +193,7 @@ def load_model(
     remote_media_timeout_s: float = 10.0,
     allow_local_files: bool = True,
     max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
-) -> QwenVisionModel | KimiVisionModel:
+) -> QwenVisionModel | KimiVisionModel | QwenAudioModel:
     """Load a vision model by built-in name or from a local checkpoint folder. Blocks while it
     builds or reads the weights; never touches the network.
 
@@ -204,6 +206,11 @@ def load_model(
 
     Kimi-K2.5 (:class:`KimiVisionModel`): the built-in ``"tiny-kimi-k25"``, or a folder whose
     ``config.json`` is a ``kimi_k25`` checkpoint (transformers 5 layout) or its vision half.
+
+    Audio (:class:`QwenAudioModel`): the built-ins ``"tiny-qwen2-audio"`` and
+    ``"tiny-qwen2.5-omni-audio"``, or a folder whose ``config.json`` is a ``qwen2_audio``,
+    ``qwen2_5_omni`` (or thinker) checkpoint or a ``qwen2_5_omni_audio_encoder``, with the
+    Whisper feature extractor's ``preprocessor_config.json``.
 
     :param dtype: the tower's dtype; ``None`` means the checkpoint's own (``float32`` for the
         built-in models).
@@ -229,6 +236,8 @@ def load_model(
     name = str(name_or_path)
     if kimi := _kimi_loader(name):
         return kimi(name, dtype=wanted_dtype, device=target, media=media)
+    if is_audio_model(name):
+        return load_audio_model(name, media=media, dtype=wanted_dtype, device=target)
     video_limits = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
     if name in _BUILDERS:
         tower = _BUILDERS[name]()

@@ -11,11 +11,14 @@ decision here is synchronous and never decodes; a refusal is a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .._errors import BadRequestError
 
 __all__ = [
+    "DEFAULT_MAX_AUDIO_CHANNELS",
+    "DEFAULT_MAX_AUDIO_SAMPLE_RATE",
     "DEFAULT_MAX_ITEMS",
     "DEFAULT_MAX_REQUEST_PIXELS",
     "MediaLimits",
@@ -27,6 +30,9 @@ __all__ = [
 DEFAULT_MAX_ITEMS = 128
 #: About 21,000 merged tokens of a Qwen2-VL model: more than one request's context holds.
 DEFAULT_MAX_REQUEST_PIXELS = 16_777_216
+#: Audio items above 192 kHz or with more than 8 channels are refused by default.
+DEFAULT_MAX_AUDIO_SAMPLE_RATE = 192_000
+DEFAULT_MAX_AUDIO_CHANNELS = 8
 #: The derived image budget is never below a 4K UHD frame.
 _UHD_PIXELS = 3840 * 2160
 #: Decoding a video walks every frame up to the last one kept (animated images composite
@@ -56,18 +62,35 @@ class MediaLimits:
         anything else is refused. ``None``: :func:`derived_image_pixels` of the model.
     :param max_request_pixels: most pixels of all the request's items after the model's
         resize; video frames are sampled (while decoding) to fit what is left of it.
+    :param max_audio_seconds: longest audio item, in seconds. ``None``: the model's own
+        window (30 s for Qwen2-Audio and Qwen2.5-Omni); a longer setting is capped to it.
+    :param max_audio_sample_rate: highest sample rate of an audio item, in Hz.
+    :param max_audio_channels: most channels of an audio item (they are averaged to mono).
     :raises BadRequestError: naming the field, for a value that is not a positive integer.
     """
 
     max_items: int = DEFAULT_MAX_ITEMS
     max_image_pixels: int | None = None
     max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
+    # Audio budgets, read from each item's header before its samples are decoded.
+    max_audio_seconds: float | None = None
+    max_audio_sample_rate: int = DEFAULT_MAX_AUDIO_SAMPLE_RATE
+    max_audio_channels: int = DEFAULT_MAX_AUDIO_CHANNELS
 
     def __post_init__(self) -> None:
         _positive("max_items", self.max_items)
         if self.max_image_pixels is not None:
             _positive("max_image_pixels", self.max_image_pixels)
         _positive("max_request_pixels", self.max_request_pixels)
+        seconds = self.max_audio_seconds
+        if seconds is not None and (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not 0 < seconds < math.inf
+        ):
+            raise BadRequestError(f"max_audio_seconds must be a positive number; got {seconds!r}")
+        _positive("max_audio_sample_rate", self.max_audio_sample_rate)
+        _positive("max_audio_channels", self.max_audio_channels)
 
     def check_items(self, count: int) -> None:
         """:raises BadRequestError: naming ``mm_items``, for more than ``max_items``."""
