@@ -46,6 +46,7 @@ from ._metrics import EncoderMetrics, ServerMetrics
 from ._probes import readiness_problem
 from ._request_log import AccessLog
 from ._settings import ServerSettings
+from ._sglang_routes import mount_sglang
 
 __all__ = [
     "EncoderService",
@@ -407,7 +408,10 @@ def mount_encoder(
 
         blueprint.add_url_rule(path, path.strip("/"), view, methods=["POST"])
 
-    for path, call in _ROUTES.items():
+    routes = dict(_ROUTES)
+    if service.settings.wire == "sglang":  # SGLang's language side talks to us (docs/sglang.md)
+        routes.update(mount_sglang(app, blueprint, service))
+    for path, call in routes.items():
         add_route(path, call)
     blueprint.add_url_rule("/health", "health", service.health, methods=["GET"])
     blueprint.add_url_rule("/health/live", "health_live", service.live, methods=["GET"])
@@ -418,7 +422,7 @@ def mount_encoder(
         app.config["MAX_CONTENT_LENGTH"] = service.settings.max_body_bytes
     app.extensions[_EXTENSION] = service
     prefix = (url_prefix or "").rstrip("/")
-    paths = [*_ROUTES, "/health", "/health/live", "/health/ready", "/metrics"]
+    paths = [*routes, "/health", "/health/live", "/health/ready", "/metrics"]
     app.asgi_app = AccessLog(  # type: ignore[method-assign,assignment]
         ServiceLifespan(app.asgi_app, service), routes=[prefix + path for path in paths]
     )

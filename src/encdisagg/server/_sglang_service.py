@@ -86,8 +86,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
 
     :param source: a running :class:`~encdisagg.Encoder`, or a server backend.
     :param config: the Encoder's configuration (default: the Encoder's own). Its
-        ``transfer`` picks the mode: ``"mooncake"`` serves SGLang's ``mooncake`` mode,
-        anything else the two ZMQ modes.
+        ``transfer`` picks the mode: ``"zmq"`` serves SGLang's two ZMQ modes,
+        ``"mooncake"`` (or ``"loopback"``) its ``mooncake`` mode.
     :param peers: when given, the hosts a push or notice may go to (403 otherwise).
     :param relay_host: the loopback address the Encoder's own pushes reach this service on.
     """
@@ -121,8 +121,9 @@ class SglangService(anyio.AsyncContextManagerMixin):
 
     @property
     def mooncake(self) -> bool:
-        """Whether this service serves SGLang's ``mooncake`` mode."""
-        return self._config.transfer == "mooncake"
+        """Whether this service serves SGLang's ``mooncake`` mode (also with the in-process
+        ``loopback`` engine, which stands in for Mooncake)."""
+        return self._config.transfer != "zmq"
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[SglangService]:
@@ -216,7 +217,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
         self._require_open()
         try:
             result = await self._backend.metadata(message)
-        except (BadRequestError, RequestTimeoutError):
+        except RequestTimeoutError:
             raise
         except EncdisaggError as exc:
             raise InternalError(exc.message, req_id=message.req_id) from None
