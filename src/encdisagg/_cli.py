@@ -102,6 +102,23 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="also serve SGLang's SglangEncoder gRPC service (with health and reflection) on "
         "--host:PORT; 0 picks a free one (needs the grpc extra; docs/sglang.md)",
     )
+    parser.add_argument(
+        "--wire",
+        choices=("encdisagg", "sglang"),
+        help="the routes' protocol: ours (default), or sglang: SGLang 0.5.20's language side "
+        "uses this server as its encoder (--encoder-urls; docs/sglang.md)",
+    )
+    parser.add_argument(
+        "--register-with",
+        metavar="URL",
+        help="with --wire sglang: register with SGLang's encoder bootstrap at URL at startup "
+        "(retried) and unregister on shutdown",
+    )
+    parser.add_argument(
+        "--advertise-url",
+        metavar="URL",
+        help="the URL --register-with registers (default http://HOST:PORT of this server)",
+    )
     parser.set_defaults(handler=_serve)
 
 

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {
     "allowed_peers": list,
     "registry": str,
     "registry_lease_ttl_s": int,
+    "wire": str,
+    "register_with": str,
+    "advertise_url": str,
 }
 _DEFAULTS: Final[dict[str, Any]] = {
     "host": "127.0.0.1",
@@ -189,6 +193,7 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             worker_log_level=str(options["log_level"]).lower(),
             worker_log_format=options["log_format"],
             **_registry_options(args, server),
+            **_sglang_options(args, server, options["host"], options["port"]),
             **_grpc_options(args, server, options["host"]),
         )
     except BadRequestError as exc:
@@ -200,6 +205,9 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             "allowed_peers": "--allowed-peers",
             "registry_lease_ttl_s": "--registry-lease-ttl",
             "registry": "--registry",
+            "wire": "--wire",
+            "register_with": "--register-with",
+            "advertise_url": "--advertise-url",
             "grpc_port": "--grpc-port",
             "grpc_host": "--host",
         }
@@ -260,6 +268,31 @@ def _grpc_options(args: argparse.Namespace, server: dict[str, Any], host: str) -
     if problem is not None:
         raise UsageError(problem)
     return {"grpc_port": port, "grpc_host": host}
+
+
+def _sglang_options(
+    args: argparse.Namespace, server: dict[str, Any], host: str, port: int
+) -> dict[str, Any]:
+    """``--wire``, ``--register-with`` and ``--advertise-url`` (or the ``[server]`` keys of
+    those names), as ServerSettings fields. The advertised URL defaults to this server's
+    own ``http://HOST:PORT`` (the machine's name when bound to every address).
+
+    :raises UsageError: registering a server whose port is picked at random.
+    """
+    options: dict[str, Any] = {}
+    for key in ("wire", "register_with", "advertise_url"):
+        value = getattr(args, key, None)
+        if value is None:
+            value = server.get(key)
+        if value is not None:
+            options[key] = value
+    if "register_with" in options and "advertise_url" not in options:
+        if port == 0:
+            raise UsageError("--register-with: give --advertise-url, or a --port other than 0")
+        name = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+        name = f"[{name}]" if ":" in name else name
+        options["advertise_url"] = f"http://{name}:{port}"
+    return options
 
 
 def warn_if_exposed(host: str, settings: ServerSettings) -> bool:

@@ -56,6 +56,16 @@ class ServerSettings:
     grpc_port: int | None = None
     #: The address the gRPC server listens on (``encdisagg serve``: its ``--host``).
     grpc_host: str = "127.0.0.1"
+    #: The HTTP routes' protocol: ``"encdisagg"`` (ours), or ``"sglang"``: SGLang 0.5.20's
+    #: language side talks to this server as to its own encoder (its ``/encode`` bodies,
+    #: its three transfer modes, its pickled ``EmbeddingData`` header frames).
+    wire: str = "encdisagg"
+    #: With the sglang wire: SGLang's encoder bootstrap (``http://host:port``) this server
+    #: registers itself with at startup (``POST /register_encoder_url``, retried) and
+    #: unregisters from on shutdown.
+    register_with: str | None = None
+    #: The URL registered there (``encdisagg serve``: ``http://HOST:PORT`` of its own).
+    advertise_url: str | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -99,3 +109,13 @@ class ServerSettings:
             raise BadRequestError(f"grpc_port must be an integer in [0, 65535]; got {grpc_port!r}")
         if not isinstance(self.grpc_host, str) or not self.grpc_host:
             raise BadRequestError("grpc_host must be a non-empty host name or address")
+        if self.wire not in ("encdisagg", "sglang"):
+            raise BadRequestError(f"wire must be encdisagg or sglang; got {self.wire!r}")
+        for name in ("register_with", "advertise_url"):
+            url: object = getattr(self, name)
+            if url is not None and (
+                not isinstance(url, str) or not url.startswith(("http://", "https://"))
+            ):
+                raise BadRequestError(f"{name} must be an http(s):// URL; got {url!r}")
+        if self.register_with is not None and self.wire != "sglang":
+            raise BadRequestError("register_with needs wire='sglang'")
