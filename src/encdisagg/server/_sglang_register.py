@@ -105,6 +105,8 @@ async def _register(
                 state.registered.set()
                 return
             state.last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+        if state.attempts >= attempts:
+            break
         _log.warning(
             "registering %s with %s failed (attempt %d of %d): %s; retrying in %.1f s",
             state.url,
@@ -114,9 +116,8 @@ async def _register(
             state.last_error,
             pause_s,
         )
-        if state.attempts < attempts:
-            await anyio.sleep(pause_s)
-            pause_s = min(pause_s * 2, max_pause_s)
+        await anyio.sleep(pause_s)
+        pause_s = min(pause_s * 2, max_pause_s)
     _log.error(
         "gave up registering %s with %s after %d attempts: %s",
         state.url,
