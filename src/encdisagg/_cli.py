@@ -54,6 +54,18 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--mooncake-protocol", choices=("tcp", "rdma"))
     parser.add_argument("--mooncake-metadata", metavar="URL", help="P2PHANDSHAKE or a URL")
     parser.add_argument("--dp", type=int, help="data-parallel worker processes (default 1)")
+    parser.add_argument(
+        "--device", help="where the model runs: cpu (default), cuda, cuda:1, mps, xpu..."
+    )
+    parser.add_argument(
+        "--dtype", help="model dtype: bfloat16, float16, float32 or auto (the checkpoint's)"
+    )
+    parser.add_argument(
+        "--devices",
+        metavar="LIST",
+        help="one device per --dp worker, comma-separated: 0,1 (indexes of --device's type, "
+        "CUDA by default) or cuda:0,cuda:1; default with --device cuda: cuda:RANK",
+    )
     parser.add_argument("--max-batch-size", type=int)
     parser.add_argument("--request-timeout", type=float, metavar="SECONDS")
     parser.add_argument("--send-timeout", type=float, metavar="SECONDS")

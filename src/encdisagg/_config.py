@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from ._devices import check_device, check_dtype
 from ._errors import BadRequestError
 
 __all__ = ["EncoderConfig"]
@@ -175,6 +176,9 @@ class EncoderConfig:
             )
         if not self.model:
             raise BadRequestError("model must be a non-empty name or path")
+        # Named here, not when the encoder opens: a typo fails where it was written.
+        check_device(self.device)
+        check_dtype(self.dtype)
         for name in (
             "max_batch_size",
             "default_receive_count",
@@ -268,15 +272,36 @@ class EncoderConfig:
     def from_mapping(cls, mapping: Mapping[str, Any] | None = None, /, **overrides: Any) -> Self:
         """Build a config from a mapping (plus keyword overrides).
 
-        :raises BadRequestError: naming every unknown key, or the first invalid field.
+        :raises BadRequestError: naming every unknown key and every invalid field at once
+            (one per line after the first).
         """
         values = dict(mapping or {})
         values.update(overrides)
+        problems = cls.problems(values)
+        if problems:
+            raise BadRequestError("\n".join(problems))
+        return cls(**values)
+
+    @classmethod
+    def problems(cls, values: Mapping[str, Any]) -> list[str]:
+        """Every reason ``values`` is not a valid config: the unknown keys (one message),
+        then each invalid field, checked on its own; empty when it is valid. Not async."""
         known = set(cls.field_names())
         unknown = sorted(str(key) for key in values if key not in known)
-        if unknown:
-            raise BadRequestError(f"unknown configuration key(s): {', '.join(unknown)}")
-        return cls(**values)
+        problems = [f"unknown configuration key(s): {', '.join(unknown)}"] if unknown else []
+        valid = {key: value for key, value in values.items() if key in known}
+        before = len(problems)
+        try:
+            cls(**valid)
+        except BadRequestError as whole:
+            for key, value in valid.items():
+                try:
+                    cls(**{key: value})
+                except BadRequestError as exc:
+                    problems.append(exc.message)
+            if len(problems) == before:
+                problems.append(whole.message)  # a rule between fields, not one field
+        return problems
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Self:

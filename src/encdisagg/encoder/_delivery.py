@@ -11,6 +11,7 @@ from __future__ import annotations
 import anyio
 
 from .._errors import TransferError
+from ..nurseries import run_thread_to_completion
 from ..transfer import EmbeddingHeader, ZmqPushPool, payload_view
 from ._jobs import Job
 from ._regions import RegionOwner
@@ -85,7 +86,10 @@ class Delivery:
         if record.phase is not Phase.FAILED:
             staged: Staged = record.staged
             tensor = staged.tensor
-            payload = payload_view(tensor if tensor.device.type == "cpu" else tensor.cpu())
+            if tensor.device.type != "cpu":
+                # A device-to-host copy waits for the device: never on the event loop.
+                tensor = await run_thread_to_completion(tensor.cpu)
+            payload = payload_view(tensor)
             pin = staged.pin
         if self._zmq.send_nowait(url, header, payload):
             # Copied into ZMQ's queue: nothing of ours is referenced any more.

@@ -280,7 +280,8 @@ class RegionOwner:
         engine = self.engine
         if engine is None or self._arena_bytes <= 0:
             return
-        arena = StagingArena(self._arena_bytes, self._device)
+        # In a worker thread: on an accelerator the allocation may wait for the device.
+        arena = await run_thread_to_completion(StagingArena, self._arena_bytes, self._device)
         try:
             await self.call(engine.register, arena.ptr, arena.capacity)
         except TransferError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 from .._errors import BadRequestError
 from ._audio_loading import AUDIO_BUILTIN_MODELS, is_audio_model, load_audio_model
+from ._hub import resolve_hub_model
 from ._kimi import KimiVisionModel
 from ._media import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
 from ._qwen import VIDEO_CONFIG_NAME, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, QwenVisionModel
@@ -144,6 +146,23 @@ def _video_limits(folder: Path, name: str) -> tuple[int, int]:
     return low, high
 
 
+# --- full checkpoints: the language model's weights are skipped without a report ---------
+#: Keys of a full checkpoint's language model (transformers 4 and 5 layouts): never read
+#: into the tower, and not reported as unexpected (they are expected to be there).
+_LANGUAGE_KEYS: Final = (r"^lm_head\.", r"^model\.(language_model|layers|embed_tokens|norm)\.")
+
+
+@functools.cache
+def _vision_only(tower_class: Any) -> Any:
+    """``tower_class``, ignoring a full checkpoint's language-model keys when it loads."""
+    ignored = [*(tower_class._keys_to_ignore_on_load_unexpected or ()), *_LANGUAGE_KEYS]
+    return type(
+        tower_class.__name__,
+        (tower_class,),
+        {"_keys_to_ignore_on_load_unexpected": ignored, "__module__": tower_class.__module__},
+    )
+
+
 def _load_folder(
     folder: Path, name: str, dtype: torch.dtype | None
 ) -> tuple[PreTrainedModel, Qwen2VLImageProcessorPil, tuple[int, int]]:
@@ -157,6 +176,7 @@ def _load_folder(
     if not (folder / "preprocessor_config.json").is_file():
         raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
     config_class, tower_class = _TOWERS[model_type]
+    tower_class = _vision_only(tower_class)
     dtype = dtype or _declared_dtype(config) or torch.float32
     try:
         vision_config = config_class.from_pretrained(folder, local_files_only=True)
@@ -234,6 +254,8 @@ def load_model(
     wanted_dtype = parse_dtype(dtype)
     target = _parse_device(device)
     name = str(name_or_path)
+    # A Hub id (ORG/NAME) loads from its snapshot folder in the local cache, offline.
+    name = resolve_hub_model(name, BUILTIN_MODELS)
     if kimi := _kimi_loader(name):
         return kimi(name, dtype=wanted_dtype, device=target, media=media)
     if is_audio_model(name):

@@ -22,8 +22,10 @@ import anyio
 import anyio.abc
 
 from .._config import EncoderConfig
+from .._devices import worker_devices
 from .._errors import BadRequestError
 from ..models import BUILTIN_MODELS
+from ..models._hub import looks_like_hub_id, resolve_hub_model
 from ._access import is_loopback_host
 from ._app import create_app
 from ._backend import SERVER_MODELS
@@ -53,6 +55,8 @@ CONFIG_FLAGS: Final = {
     "prefix_cache_mb": "prefix_cache_mb",
     "staged_memory_limit_mb": "staged_memory_limit_mb",
     "global_cache": "global_cache",
+    "device": "device",
+    "dtype": "dtype",
 }
 #: Keys of the TOML file's ``[server]`` table, and their types.
 SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {
@@ -72,6 +76,7 @@ SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {
     "wire": str,
     "register_with": str,
     "advertise_url": str,
+    "devices": list,
 }
 _DEFAULTS: Final[dict[str, Any]] = {
     "host": "127.0.0.1",
@@ -111,27 +116,41 @@ def _flag(field: str) -> str:
 
 
 def _read_toml(path: str) -> tuple[EncoderConfig, dict[str, Any]]:
+    """The ``[encoder]`` config and the ``[server]`` table of the file at ``path``.
+
+    :raises UsageError: listing every error of the file at once, one per line.
+    """
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise UsageError(f"--config: cannot read {path}: {exc}") from None
+    problems: list[str] = []
     server = data.pop("server", {})
     if not isinstance(server, dict):
-        raise UsageError(f"--config: [server] in {path} must be a table")
-    unknown = sorted(key for key in server if key not in SERVER_KEYS)
-    if unknown:
-        raise UsageError(f"--config: unknown key server.{unknown[0]} in {path}")
+        problems.append("[server] must be a table")
+        server = {}
+    problems.extend(f"unknown key server.{key}" for key in sorted(server) if key not in SERVER_KEYS)
     for key, value in server.items():
-        expected = SERVER_KEYS[key]
-        if isinstance(value, bool) or not isinstance(value, expected):
-            raise UsageError(f"--config: server.{key} in {path} has the wrong type")
+        expected = SERVER_KEYS.get(key)
+        if expected is not None and (isinstance(value, bool) or not isinstance(value, expected)):
+            problems.append(f"server.{key} has the wrong type")
     section = data.get("encoder", data)
+    if "encoder" in data:
+        # Beside an [encoder] table, anything else at top level is a misspelt table.
+        problems.extend(f"unknown table or key {key}" for key in sorted(data) if key != "encoder")
     if not isinstance(section, dict):
-        raise UsageError(f"--config: [encoder] in {path} must be a table")
-    try:
-        return EncoderConfig.from_mapping(section), server
-    except BadRequestError as exc:
-        raise UsageError(f"--config: {path}: {exc.message}") from None
+        problems.append("[encoder] must be a table")
+        section = {}
+    problems.extend(
+        f"[encoder] {problem}" if "encoder" in data else problem
+        for problem in EncoderConfig.problems(section)
+    )
+    if len(problems) == 1:
+        raise UsageError(f"--config: {path}: {problems[0]}")
+    if problems:
+        listed = "".join(f"\n  {problem}" for problem in problems)
+        raise UsageError(f"--config: {path} has {len(problems)} errors:{listed}")
+    return EncoderConfig.from_mapping(section), server
 
 
 def resolve(args: argparse.Namespace) -> ServeOptions:
@@ -171,15 +190,22 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
     if options["log_format"] not in LOG_FORMATS:
         raise UsageError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     model = config.model
-    if model not in BUILTIN_MODELS and model not in SERVER_MODELS and not Path(model).is_dir():
+    builtin = model in BUILTIN_MODELS or model in SERVER_MODELS
+    if not builtin and looks_like_hub_id(model):
+        try:
+            model = resolve_hub_model(model)  # the config keeps the id; workers resolve it too
+        except BadRequestError as exc:
+            raise UsageError(f"--model: {exc.message.removeprefix('model: ')}") from None
+    if not builtin and not Path(model).is_dir():
         known = ", ".join((*BUILTIN_MODELS, *SERVER_MODELS))
         raise UsageError(
-            f"--model: {model!r} is neither a built-in model ({known}) nor a checkpoint folder"
+            f"--model: {model!r} is neither a built-in model ({known}), a checkpoint folder, "
+            "nor a Hugging Face id (ORG/NAME) in the local cache"
         )
     # Checked here, before any worker process starts, so the user reads this one line.
-    folder = model not in BUILTIN_MODELS and model not in SERVER_MODELS
-    if folder and not (Path(model) / "config.json").is_file():
+    if not builtin and not (Path(model) / "config.json").is_file():
         raise UsageError(f"--model: model folder {model} has no config.json")
+    config, devices = _device_options(args, server, config, options["dp"])
     api_key, allowed_peers = _access_options(args, server)
     try:
         settings = ServerSettings(
@@ -192,6 +218,7 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             health_timeout_s=options["health_timeout_s"],
             worker_log_level=str(options["log_level"]).lower(),
             worker_log_format=options["log_format"],
+            worker_devices=devices,
             **_registry_options(args, server),
             **_sglang_options(args, server, options["host"], options["port"]),
             **_grpc_options(args, server, options["host"]),
@@ -222,6 +249,37 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
         str(options["log_level"]).lower(),
         options["log_format"],
     )
+
+
+def _device_options(
+    args: argparse.Namespace, server: dict[str, Any], config: EncoderConfig, dp: object
+) -> tuple[EncoderConfig, tuple[str, ...] | None]:
+    """``config`` on its device and, with several workers, each worker's device
+    (``--devices 0,1``, else ``server.devices``, else ``cuda:RANK`` for ``--device cuda``).
+    Asks torch about CUDA only when a CUDA device is named.
+
+    :raises UsageError: naming ``--device`` or ``--devices``.
+    """
+    listed: Any = getattr(args, "devices", None)
+    if isinstance(listed, str):
+        listed = [entry.strip() for entry in listed.split(",") if entry.strip()]
+    elif listed is None:
+        listed = server.get("devices")
+        if listed is not None and not all(isinstance(entry, str) for entry in listed):
+            raise UsageError('--config: server.devices must be a list of strings ("0", "cuda:1")')
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        return config, None  # ServerSettings names --dp
+    try:
+        chosen = worker_devices(config.device, dp, listed)
+    except BadRequestError as exc:
+        flag = "--devices" if exc.message.startswith("devices") else "--device"
+        message = exc.message
+        if message.startswith(("device: ", "devices: ")):
+            message = message.partition(": ")[2]
+        raise UsageError(f"{flag}: {message}") from None
+    if dp == 1:
+        return config.replace(device=chosen[0]), None
+    return config, chosen
 
 
 def _access_options(

@@ -151,8 +151,16 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                         ),
                     )
                 )
-            config_file = directory / "config.json"
-            config_file.write_text(json.dumps(self.config.to_mapping()), encoding="utf-8")
+            devices = self.settings.worker_devices or (self.config.device,) * self._size
+            if len(devices) != self._size:
+                raise ValueError(f"worker_devices lists {len(devices)} for {self._size} workers")
+            # One config a worker: each may run on its own device.
+            config_files = []
+            for rank, device in enumerate(devices):
+                config_file = directory / f"config-{rank}.json"
+                mapping = self.config.replace(device=device).to_mapping()
+                config_file.write_text(json.dumps(mapping), encoding="utf-8")
+                config_files.append(config_file)
             async with ServiceTaskGroup("data-parallel front", logger=_log) as group:
                 group.start_soon(self._listen, name="worker result listener")
                 try:
@@ -160,7 +168,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                         await self._supervisor.spawn(
                             worker,
                             results_url=results_url,
-                            config_file=config_file,
+                            config_file=config_files[worker.rank],
                             backend_name=backend_name,
                             group=group,
                         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from .._devices import check_device
 from .._errors import BadRequestError
 from ..registry import parse_registry_url
 from ._access import ApiKey, PeerAllowList
@@ -38,6 +39,9 @@ class ServerSettings:
     worker_log_level: str = "info"
     #: Log lines of the workers: ``"text"`` or ``"json"`` (one object a line).
     worker_log_format: str = "text"
+    #: The device of each data-parallel worker, in rank order (``"cuda:0"``, ``"cuda:1"``);
+    #: ``None``: every worker uses the config's ``device``.
+    worker_devices: tuple[str, ...] | None = None
     #: When set, every route except ``/health`` and ``/metrics`` requires
     #: ``Authorization: Bearer <api_key>`` (401 otherwise). Never shown in a repr.
     api_key: str | None = field(default=None, repr=False)
@@ -88,6 +92,13 @@ class ServerSettings:
             raise BadRequestError(
                 f"worker_log_format must be text or json; got {self.worker_log_format!r}"
             )
+        if self.worker_devices is not None:
+            if len(self.worker_devices) != self.dp:
+                raise BadRequestError(
+                    f"worker_devices lists {len(self.worker_devices)} device(s) for dp={self.dp}"
+                )
+            for device in self.worker_devices:
+                check_device(device, "worker_devices")
         if self.api_key is not None:
             ApiKey(self.api_key)
         peers: object = self.allowed_peers

@@ -1,0 +1,141 @@
+"""Device and dtype names: checked when a config is built, resolved per data-parallel worker.
+
+The syntax checks import nothing heavy (a config is built before torch is needed); only
+:func:`check_device_present` and :func:`worker_devices` ask torch which accelerators this
+machine has, and only for accelerator devices.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Final
+
+from ._errors import BadRequestError
+
+__all__ = [
+    "DEVICE_TYPES",
+    "DTYPE_NAMES",
+    "check_device",
+    "check_device_present",
+    "check_dtype",
+    "worker_devices",
+]
+
+#: Device types a model may run on (torch's names).
+DEVICE_TYPES: Final = ("cpu", "cuda", "mps", "xpu")
+#: Accepted ``dtype`` spellings (``torch.`` prefix allowed); ``auto``: the checkpoint's own.
+DTYPE_NAMES: Final = (
+    "auto",
+    "float32",
+    "float",
+    "fp32",
+    "float16",
+    "half",
+    "fp16",
+    "bfloat16",
+    "bf16",
+    "float64",
+    "double",
+)
+_DEVICE: Final = re.compile(r"(?P<type>[a-z]+)(?::(?P<index>\d{1,3}))?")
+
+
+def check_device(device: object, field: str = "device") -> str:
+    """``device`` if it names a device torch can place a model on (``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``, ``"mps"``, ``"xpu:0"``); does not check that the device exists. Not async.
+
+    :raises BadRequestError: naming ``field`` for anything else (``"tpu"``, ``"cuda:x"``).
+    """
+    match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if match is None or match["type"] not in DEVICE_TYPES:
+        raise BadRequestError(
+            f"{field} must be one of {', '.join(DEVICE_TYPES)}, optionally with an index "
+            f"(cuda:1); got {device!r}"
+        )
+    if match["type"] == "cpu" and match["index"] not in (None, "0"):
+        raise BadRequestError(f"{field}: cpu has no index {match['index']}; got {device!r}")
+    return device  # type: ignore[return-value]  # matched a str above
+
+
+def check_dtype(dtype: object, field: str = "dtype") -> None:
+    """Accept ``None`` or a floating dtype name of :data:`DTYPE_NAMES`. Not async.
+
+    :raises BadRequestError: naming ``field`` for anything else.
+    """
+    if dtype is None:
+        return
+    name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else None
+    if name not in DTYPE_NAMES:
+        raise BadRequestError(
+            f"{field} must be one of {', '.join(DTYPE_NAMES)} (or null); got {dtype!r}"
+        )
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_device_present(device: str, field: str = "device") -> None:
+    """Refuse a CUDA device this machine does not have (no CUDA, or the index is past the
+    visible devices). Other types are left to the model's loading. Blocks briefly (torch
+    counts the devices once).
+
+    :raises BadRequestError: naming ``field`` and what is visible.
+    """
+    match = _DEVICE.fullmatch(check_device(device, field))
+    assert match is not None
+    if match["type"] != "cuda":
+        return
+    count = _cuda_count()
+    if count == 0:
+        raise BadRequestError(f"{field}: {device!r} asked for, but torch sees no CUDA device")
+    if match["index"] is not None and int(match["index"]) >= count:
+        raise BadRequestError(
+            f"{field}: {device!r} asked for, but torch sees {count} CUDA device(s) "
+            f"(cuda:0..cuda:{count - 1})"
+        )
+
+
+def worker_devices(device: str, workers: int, devices: Sequence[str] | None) -> tuple[str, ...]:
+    """The device of each of ``workers`` data-parallel workers.
+
+    ``devices`` (``--devices``) lists one entry per worker: a bare index (``"1"``) means that
+    index of ``device``'s accelerator type (CUDA when ``device`` is the CPU), anything else
+    is a device name. Without it, a bare ``"cuda"`` with several workers gives worker
+    ``rank`` ``cuda:{rank}`` (so each has its own GPU); any other ``device`` is shared by
+    every worker. Every CUDA device is checked to exist. Blocks briefly (see
+    :func:`check_device_present`).
+
+    :raises BadRequestError: naming ``devices`` (or ``device``) for a wrong count, a bad
+        entry, a missing GPU, or more workers than GPUs when assigning them by default.
+    """
+    check_device(device)
+    kind = device.partition(":")[0]
+    if devices is not None:
+        if len(devices) != workers:
+            raise BadRequestError(
+                f"devices lists {len(devices)} device(s) for {workers} data-parallel "
+                f"worker(s); give one per worker (repeat one to share it)"
+            )
+        accelerator = kind if kind != "cpu" else "cuda"
+        chosen = tuple(
+            f"{accelerator}:{entry.strip()}" if entry.strip().isdigit() else entry.strip()
+            for entry in devices
+        )
+    elif kind == "cuda" and device == "cuda" and workers > 1:
+        count = _cuda_count()
+        if count < workers:
+            raise BadRequestError(
+                f"devices: {workers} data-parallel workers on 'cuda' need a GPU each, but "
+                f"torch sees {count}; pass devices (--devices 0,0,1,1) to share GPUs"
+            )
+        chosen = tuple(f"cuda:{rank}" for rank in range(workers))
+    else:
+        chosen = (device,) * workers
+    for entry in chosen:
+        check_device(entry, "devices" if devices is not None else "device")
+        check_device_present(entry, "devices" if devices is not None else "device")
+    return chosen
