@@ -165,7 +165,8 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument(
         "--model",
         metavar="PATH",
-        help="'tiny' (built in, the default) or a local full Qwen2-VL checkpoint folder",
+        help="'tiny' (built in, the default), 'tiny-qwen3-vl' (built in, with deepstack "
+        "features) or a local full Qwen2-VL / Qwen3-VL checkpoint folder",
     )
     parser.add_argument(
         "--abort-rate",

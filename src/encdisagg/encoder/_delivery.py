@@ -12,7 +12,7 @@ import anyio
 
 from .._errors import TransferError
 from ..nurseries import run_thread_to_completion
-from ..transfer import EmbeddingHeader, ZmqPushPool, payload_view
+from ..transfer import EmbeddingHeader, EmbeddingLayout, ZmqPushPool, payload_view
 from ._jobs import Job
 from ._regions import RegionOwner
 from ._staged import Staged
@@ -27,11 +27,16 @@ class Delivery:
 
     :param regions: the region owner (engine calls and per-send registrations).
     :param zmq: the pool of ZMQ push sockets.
+    :param layout: the model's embedding layout (its ``embedding_layout``, e.g. Qwen3-VL's
+        deepstack sections), sent in every data part's header; ``None``: one section.
     """
 
-    def __init__(self, regions: RegionOwner, zmq: ZmqPushPool) -> None:
+    def __init__(
+        self, regions: RegionOwner, zmq: ZmqPushPool, *, layout: EmbeddingLayout | None = None
+    ) -> None:
         self._regions = regions
         self._zmq = zmq
+        self._layout = layout
 
     async def write(self, job: Job, destination: MooncakeDestination) -> None:
         """Write the staged embedding into ``destination``'s registered buffer."""
@@ -80,7 +85,7 @@ class Delivery:
     async def push(self, job: Job, url: str) -> None:
         """Push the embedding (or the request's error part) to a ZMQ PULL endpoint."""
         record = job.record
-        header = _header(record)
+        header = _header(record, self._layout)
         payload = None
         pin = None
         if record.phase is not Phase.FAILED:
@@ -105,7 +110,7 @@ def _needs_own_registration(staged: Staged) -> bool:
     return not staged.transferable
 
 
-def _header(record: RequestRecord) -> EmbeddingHeader:
+def _header(record: RequestRecord, layout: EmbeddingLayout | None = None) -> EmbeddingHeader:
     """The push header: the embedding's layout, or an error part (no payload)."""
     request = record.request
     error = record.error if record.phase is Phase.FAILED else None
@@ -129,4 +134,5 @@ def _header(record: RequestRecord) -> EmbeddingHeader:
         grid=grid,
         error=None if error is None else error.message,
         status=None if error is None else error.status,
+        layout=layout if error is None else None,
     )

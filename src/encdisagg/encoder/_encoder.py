@@ -138,7 +138,9 @@ class Encoder(anyio.AsyncContextManagerMixin):
                                 compute=compute,
                                 regions=regions,
                                 budget=self._budget,
-                                delivery=Delivery(regions, zmq),
+                                delivery=Delivery(
+                                    regions, zmq, layout=getattr(model, "embedding_layout", None)
+                                ),
                                 events=self._events,
                                 pushes=pushes,
                             )

@@ -6,6 +6,8 @@
   ``"tiny-qwen2.5-vl"``, or a local checkpoint folder; returns a :class:`QwenVisionModel`.
 - :class:`NullVisionModel`: the protocol without compute, for benchmarks and tests.
 - :class:`MediaPolicy`: which media items are accepted, and from where.
+- :class:`Qwen3VisionModel`: Qwen3-VL towers (``"tiny-qwen3-vl"`` or a checkpoint), whose
+  embeddings carry the deepstack feature maps beside the main one (``embedding_layout``).
 - :class:`QwenAudioModel`: Qwen2-Audio / Qwen2.5-Omni audio encoders (``"tiny-qwen2-audio"``,
   ``"tiny-qwen2.5-omni-audio"`` or a checkpoint) over Whisper log-mel features.
 - Grid helpers: token counts of Qwen ``(t, h, w)`` grids, Kimi ``[h, w]`` grids and Qwen audio.
@@ -37,6 +39,7 @@ from ._protocol import (
     split_embedding as split_embedding,
 )
 from ._qwen import QwenVisionModel as QwenVisionModel
+from ._qwen3_vl import Qwen3VisionModel as Qwen3VisionModel
 from ._qwen_audio import QwenAudioModel as QwenAudioModel
 from ._tiny import (
     TINY_SEED as TINY_SEED,
@@ -45,6 +48,11 @@ from ._tiny import (
     build_tiny_qwen2_vl as build_tiny_qwen2_vl,
     tiny_qwen2_5_vl_config as tiny_qwen2_5_vl_config,
     tiny_qwen2_vl_config as tiny_qwen2_vl_config,
+)
+from ._tiny_qwen3_vl import (
+    build_tiny_qwen3_vl as build_tiny_qwen3_vl,
+    qwen3_vl_image_processor as qwen3_vl_image_processor,
+    tiny_qwen3_vl_config as tiny_qwen3_vl_config,
 )
 
 __all__ = (
@@ -74,6 +82,10 @@ __all__ = (
     "tiny_qwen2_5_vl_config",
     "build_tiny_qwen2_vl",
     "build_tiny_qwen2_5_vl",
+    "Qwen3VisionModel",
+    "tiny_qwen3_vl_config",
+    "build_tiny_qwen3_vl",
+    "qwen3_vl_image_processor",
     "QwenAudioModel",
 )
 

@@ -16,6 +16,10 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
 from .._errors import BadRequestError
 from ._audio_loading import AUDIO_BUILTIN_MODELS, is_audio_model, load_audio_model
@@ -23,14 +27,17 @@ from ._hub import resolve_hub_model
 from ._kimi import KimiVisionModel
 from ._media import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
 from ._qwen import VIDEO_CONFIG_NAME, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, QwenVisionModel
+from ._qwen3_vl import QWEN3_VIDEO_MAX_PIXELS, QWEN3_VIDEO_MIN_PIXELS, Qwen3VisionModel
 from ._qwen_audio import QwenAudioModel
 from ._tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
+from ._tiny_qwen3_vl import build_tiny_qwen3_vl, qwen3_vl_image_processor
 
 __all__ = ["BUILTIN_MODELS", "load_model", "parse_dtype"]
 
 _BUILDERS: Final[dict[str, Callable[[], PreTrainedModel]]] = {
     "tiny": lambda: build_tiny_qwen2_vl().model.visual,
     "tiny-qwen2.5-vl": lambda: build_tiny_qwen2_5_vl().model.visual,
+    "tiny-qwen3-vl": lambda: build_tiny_qwen3_vl().model.visual,
 }
 # --- Kimi-K2.5: its own adapter and loader (_kimi_loading, imported on use) ---------------
 _KIMI_BUILTINS: Final = ("tiny-kimi-k25",)
@@ -203,6 +210,78 @@ def _load_folder(
     return tower, processor, _video_limits(folder, name)
 
 
+# --- Qwen3-VL: dense and MoE checkpoints share the tower; loaded by _load_qwen3_vl -------
+_QWEN3_TOWERS: Final[dict[str, tuple[Any, Any]]] = {
+    "qwen3_vl": (Qwen3VLVisionConfig, Qwen3VLVisionModel),
+    "qwen3_vl_vision": (Qwen3VLVisionConfig, Qwen3VLVisionModel),
+    "qwen3_vl_moe": (Qwen3VLMoeVisionConfig, Qwen3VLMoeVisionModel),
+    "qwen3_vl_moe_vision": (Qwen3VLMoeVisionConfig, Qwen3VLMoeVisionModel),
+}
+_QWEN3_BUILTINS: Final = frozenset({"tiny-qwen3-vl"})
+
+
+def _is_qwen3_vl(name: str) -> bool:
+    if name in _QWEN3_BUILTINS:
+        return True
+    if name in _BUILDERS:
+        return False
+    path = Path(name).expanduser() / "config.json"
+    if not path.is_file():
+        return False
+    return _read_json(path, name).get("model_type") in _QWEN3_TOWERS
+
+
+def _load_qwen3_vl(
+    name: str, dtype: torch.dtype | None, device: torch.device, media: MediaPolicy
+) -> Qwen3VisionModel:
+    video_limits = (QWEN3_VIDEO_MIN_PIXELS, QWEN3_VIDEO_MAX_PIXELS)
+    if name in _QWEN3_BUILTINS:
+        tower = _BUILDERS[name]()
+        processor = qwen3_vl_image_processor()
+        if dtype is not None:
+            _cast_weights(tower, dtype)
+    else:
+        folder = Path(name).expanduser()
+        config = _read_json(folder / "config.json", name)
+        if not (folder / "preprocessor_config.json").is_file():
+            raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
+        config_class, tower_class = _QWEN3_TOWERS[config["model_type"]]
+        try:
+            vision_config = config_class.from_pretrained(folder, local_files_only=True)
+            tower, info = tower_class.from_pretrained(
+                folder,
+                config=vision_config,
+                dtype=dtype or _declared_dtype(config) or torch.float32,
+                local_files_only=True,
+                key_mapping=_FULL_CHECKPOINT_KEYS,
+                use_safetensors=True,  # never unpickle weight files
+                output_loading_info=True,
+            )
+            processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise BadRequestError(f"model: cannot load checkpoint {name!r}: {exc}") from exc
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            raise BadRequestError(
+                f"model: checkpoint {name!r} lacks {len(missing)} vision tower weights "
+                f"({', '.join(missing[:5])})"
+            )
+        if (folder / VIDEO_CONFIG_NAME).is_file():
+            video_limits = _video_limits(folder, name)
+    try:
+        _move(tower, device)
+    except (RuntimeError, AssertionError) as exc:
+        raise BadRequestError(f"device: cannot use {str(device)!r}: {exc}") from exc
+    return Qwen3VisionModel(
+        tower,
+        processor,
+        name=name,
+        media=media,
+        video_min_pixels=video_limits[0],
+        video_max_pixels=video_limits[1],
+    )
+
+
 def load_model(
     name_or_path: str | Path,
     *,
@@ -213,7 +292,7 @@ def load_model(
     remote_media_timeout_s: float = 10.0,
     allow_local_files: bool = True,
     max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
-) -> QwenVisionModel | KimiVisionModel | QwenAudioModel:
+) -> QwenVisionModel | Qwen3VisionModel | KimiVisionModel | QwenAudioModel:
     """Load a vision model by built-in name or from a local checkpoint folder. Blocks while it
     builds or reads the weights; never touches the network.
 
@@ -231,6 +310,9 @@ def load_model(
     ``"tiny-qwen2.5-omni-audio"``, or a folder whose ``config.json`` is a ``qwen2_audio``,
     ``qwen2_5_omni`` (or thinker) checkpoint or a ``qwen2_5_omni_audio_encoder``, with the
     Whisper feature extractor's ``preprocessor_config.json``.
+
+    Qwen3-VL (:class:`Qwen3VisionModel`): the built-in ``"tiny-qwen3-vl"``, or a folder
+    whose ``config.json`` is a ``qwen3_vl`` / ``qwen3_vl_moe`` checkpoint or its vision tower.
 
     :param dtype: the tower's dtype; ``None`` means the checkpoint's own (``float32`` for the
         built-in models).
@@ -258,6 +340,8 @@ def load_model(
     name = resolve_hub_model(name, BUILTIN_MODELS)
     if kimi := _kimi_loader(name):
         return kimi(name, dtype=wanted_dtype, device=target, media=media)
+    if _is_qwen3_vl(name):
+        return _load_qwen3_vl(name, wanted_dtype, target, media)
     if is_audio_model(name):
         return load_audio_model(name, media=media, dtype=wanted_dtype, device=target)
     video_limits = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)

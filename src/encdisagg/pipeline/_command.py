@@ -11,6 +11,7 @@ import anyio
 
 from .._errors import BadRequestError
 from ._demo import DemoOptions, run_demo
+from ._lm import BUILTIN_LANGUAGE_MODELS
 
 __all__ = ["run_demo_command"]
 
@@ -39,8 +40,13 @@ def run_demo_command(args: argparse.Namespace) -> int:
         if getattr(args, option, None) is not None
     }
     model = values.get("model", "tiny")
-    if model != "tiny" and not Path(model).expanduser().is_dir():
-        print(f"encdisagg demo: --model {model!r} is neither 'tiny' nor a folder", file=sys.stderr)
+    if model not in BUILTIN_LANGUAGE_MODELS and not Path(model).expanduser().is_dir():
+        builtins = ", ".join(repr(name) for name in BUILTIN_LANGUAGE_MODELS)
+        print(
+            f"encdisagg demo: --model {model!r} is neither a built-in model ({builtins}) "
+            "nor a folder",
+            file=sys.stderr,
+        )
         return 2
     try:
         options = DemoOptions(verbose=not args.quiet, **values)

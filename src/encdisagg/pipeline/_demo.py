@@ -30,7 +30,7 @@ from ._decode import DecodeWorker
 from ._decode_types import DecodePhase, DecodeResult, DecodeStatus
 from ._demo_types import DemoOptions, DemoReport, RequestOutcome, request_line
 from ._images import DemoImage, demo_images
-from ._lm import LanguageModel
+from ._lm import BUILTIN_LANGUAGE_MODELS, LanguageModel
 from ._prefill import PrefillWorker
 from ._prefill_types import PipelineRequest, PrefillReport, PrefillStatus
 from ._progress import ProgressBar
@@ -94,8 +94,8 @@ def _plan(options: DemoOptions) -> list[_Planned]:
 
 async def _load_models(options: DemoOptions) -> tuple[LanguageModel, LanguageModel, LanguageModel]:
     def load() -> LanguageModel:
-        if options.model == "tiny":
-            return LanguageModel.tiny()
+        if options.model in BUILTIN_LANGUAGE_MODELS:
+            return LanguageModel.tiny(name=options.model)
         return LanguageModel.from_pretrained(options.model)
 
     # Three instances: prefill, decode and the colocated reference never share a model.
@@ -150,8 +150,9 @@ async def run_demo(
         receiver = await stack.enter_async_context(
             EmbeddingReceiver(
                 transport=options.transfer,
-                hidden_size=lm_prefill.hidden_size,
+                hidden_size=lm_prefill.embedding_width,
                 dtype=lm_prefill.dtype,
+                layout=lm_prefill.embedding_layout,
                 engine=prefill_engine if options.transfer == "mooncake" else None,
             )
         )

@@ -19,7 +19,8 @@ class DemoOptions:
 
     requests: int = 8
     transfer: str = "zmq"
-    #: ``"tiny"`` or a local full Qwen2-VL checkpoint folder (tower and language model).
+    #: ``"tiny"``, ``"tiny-qwen3-vl"`` or a local full Qwen2-VL / Qwen3-VL checkpoint folder
+    #: (tower and language model).
     model: str = "tiny"
     #: Probability that a request is aborted (at a random phase on the decode side).
     abort_rate: float = 0.0

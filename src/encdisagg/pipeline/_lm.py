@@ -1,9 +1,9 @@
 """The language model side of the pipeline: prompts, prefill, KV packing and greedy decode.
 
 Everything here is synchronous and blocking (torch); the workers call it from worker threads.
-The model is a Qwen2-VL ``...ForConditionalGeneration``: by default the seeded tiny one that
-``"tiny"``'s vision tower comes from (same builder, same seed), so the encoder's embeddings
-are exactly what this model's own tower would compute.
+The model is a Qwen2-VL or Qwen3-VL ``...ForConditionalGeneration``: by default the seeded
+tiny one that ``"tiny"``'s (or ``"tiny-qwen3-vl"``'s) vision tower comes from (same builder,
+same seed), so the encoder's embeddings are exactly what this model's own tower would compute.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import torch
 
 from .._errors import BadRequestError
 from ..decode import DraftLayout
+from ..transfer import EmbeddingLayout, deepstack_layout
 
 if TYPE_CHECKING:
     from PIL import Image
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     from ._paged_step import PagedDecoder
 
 __all__ = [
+    "BUILTIN_LANGUAGE_MODELS",
     "ByteTokenizer",
     "LanguageModel",
     "PrefillResult",
@@ -36,6 +38,11 @@ _FIRST_BYTE_ID: Final = 3
 
 #: Candidates of the first token that prefill ships as its draft state.
 DRAFT_TOP_K: Final = 4
+
+#: The built-in models :meth:`LanguageModel.tiny` builds, by the encoder model's name.
+BUILTIN_LANGUAGE_MODELS: Final = ("tiny", "tiny-qwen3-vl")
+#: ``config.json`` model types of Qwen3-VL checkpoints (deepstack features).
+_QWEN3_VL_TYPES: Final = ("qwen3_vl", "qwen3_vl_moe")
 
 
 class ByteTokenizer:
@@ -77,13 +84,19 @@ def _eval(module: torch.nn.Module) -> None:
 
 
 class LanguageModel:
-    """A Qwen2-VL model used as a language model over spliced image embeddings.
+    """A Qwen2-VL or Qwen3-VL model used as a language model over spliced image embeddings
+    (for Qwen3-VL, with the deepstack sections added after the first decoder layers).
 
     Build it with :meth:`tiny` or :meth:`from_pretrained`. ``prefill`` and ``decode`` must be
     called by one thread at a time (a lock enforces it); any thread.
     """
 
-    def __init__(self, model: Qwen2VLForConditionalGeneration, *, name: str) -> None:
+    def __init__(
+        self,
+        model: Qwen2VLForConditionalGeneration | Qwen3VLForConditionalGeneration,
+        *,
+        name: str,
+    ) -> None:
         _eval(model)
         self.model = model
         self.name = name
@@ -107,6 +120,21 @@ class LanguageModel:
         self.tokenizer = ByteTokenizer(int(text.vocab_size))
         vision: Any = config.vision_config
         self._merge = int(vision.spatial_merge_size)
+        # Qwen3-VL: deepstack feature maps arrive beside the embedding (one joint tensor, see
+        # ``embedding_layout``) and are added after the first decoder layers.
+        self.deepstack_layers = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+        self.embedding_layout: EmbeddingLayout | None = (
+            deepstack_layout(self.hidden_size, self.deepstack_layers)
+            if self.deepstack_layers
+            else None
+        )
+        #: Columns of the embeddings this model takes: ``hidden_size * (1 + deepstack)``.
+        self.embedding_width = self.hidden_size * (1 + self.deepstack_layers)
+        self._processor_settings: dict[str, Any] = {}
+        if self.deepstack_layers:
+            from ..models import qwen3_vl_image_processor
+
+            self._processor_settings = qwen3_vl_image_processor().to_dict()
         self._lock = threading.Lock()
         self._paged: PagedDecoder | None = None
         #: Whether a decode step takes long enough to belong in a worker thread. The tiny
@@ -116,11 +144,24 @@ class LanguageModel:
         self.blocking_steps = True
 
     @classmethod
-    def tiny(cls, seed: int | None = None) -> LanguageModel:
-        """The seeded tiny Qwen2-VL whose vision tower is ``"tiny"``. Blocks ~20 ms."""
-        from ..models import TINY_SEED, build_tiny_qwen2_vl
+    def tiny(cls, seed: int | None = None, *, name: str = "tiny") -> LanguageModel:
+        """The seeded tiny model whose vision tower is the encoder's ``name`` (one of
+        :data:`BUILTIN_LANGUAGE_MODELS`: ``"tiny"``, Qwen2-VL, or ``"tiny-qwen3-vl"``).
+        Blocks ~20 ms.
 
-        lm = cls(build_tiny_qwen2_vl(seed=TINY_SEED if seed is None else seed), name="tiny")
+        :raises BadRequestError: naming ``model`` for another name.
+        """
+        from ..models import TINY_SEED, build_tiny_qwen2_vl, build_tiny_qwen3_vl
+
+        seed = TINY_SEED if seed is None else seed
+        if name == "tiny":
+            lm = cls(build_tiny_qwen2_vl(seed=seed), name=name)
+        elif name == "tiny-qwen3-vl":
+            lm = cls(build_tiny_qwen3_vl(seed=seed), name=name)
+        else:
+            raise BadRequestError(
+                f"model: {name!r} is not one of {', '.join(BUILTIN_LANGUAGE_MODELS)}"
+            )
         lm.blocking_steps = False
         return lm
 
@@ -132,13 +173,32 @@ class LanguageModel:
         """
         from transformers import Qwen2VLForConditionalGeneration
 
+        model_class: Any = Qwen2VLForConditionalGeneration
+        if _model_type(path) in _QWEN3_VL_TYPES:
+            from transformers import (
+                Qwen3VLForConditionalGeneration,
+                Qwen3VLMoeForConditionalGeneration,
+            )
+
+            moe = _model_type(path) == "qwen3_vl_moe"
+            model_class = (
+                Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+            )
         try:
-            model = Qwen2VLForConditionalGeneration.from_pretrained(
+            model = model_class.from_pretrained(
                 str(path), local_files_only=True, use_safetensors=True
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise BadRequestError(f"model: cannot load {str(path)!r} as Qwen2-VL: {exc}") from exc
-        return cls(model, name=str(path))
+            raise BadRequestError(
+                f"model: cannot load {str(path)!r} as {model_class.__name__}: {exc}"
+            ) from exc
+        lm = cls(model, name=str(path))
+        if lm.deepstack_layers and (Path(path) / "preprocessor_config.json").is_file():
+            from transformers import Qwen2VLImageProcessorPil
+
+            processor = Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
+            lm._processor_settings = processor.to_dict()
+        return lm
 
     # -- prompts -----------------------------------------------------------------------------
 
@@ -213,6 +273,16 @@ class LanguageModel:
         rows = 0 if image_embeds is None else int(image_embeds.shape[0])
         if n_image != rows:
             raise BadRequestError(f"prompt has {n_image} image tokens but {rows} embedding rows")
+        deepstack: dict[str, Any] = {}
+        if image_embeds is not None and self.embedding_layout is not None:
+            # One joint tensor: the embedding, then each deepstack map (column views).
+            sections = list(self.embedding_layout.split(image_embeds).values())
+            image_embeds = sections[0]
+            if rows:
+                deepstack = {
+                    "visual_pos_masks": image_mask,
+                    "deepstack_visual_embeds": sections[1:],
+                }
         with self._lock, torch.inference_mode():
             embeds = model.model.get_input_embeddings()(ids)
             if image_embeds is not None and rows:
@@ -227,7 +297,7 @@ class LanguageModel:
                 positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
                 rope_delta = 0
             out = model.model.language_model(
-                inputs_embeds=embeds, position_ids=positions, use_cache=True
+                inputs_embeds=embeds, position_ids=positions, use_cache=True, **deepstack
             )
             hidden = out.last_hidden_state[0, -1]
             logits = model.lm_head(hidden)
@@ -284,7 +354,13 @@ class LanguageModel:
     def _process(self, images: Sequence[Image.Image]) -> Any:
         from transformers import Qwen2VLImageProcessorPil
 
-        return Qwen2VLImageProcessorPil()(images=list(images), return_tensors="pt")
+        settings = self._processor_settings
+        processor = (
+            Qwen2VLImageProcessorPil.from_dict(dict(settings))
+            if settings
+            else Qwen2VLImageProcessorPil()
+        )
+        return processor(images=list(images), return_tensors="pt")
 
     def generate_colocated(
         self, prompt: str, images: Sequence[Image.Image], *, max_new_tokens: int
@@ -313,3 +389,14 @@ class LanguageModel:
                 **kwargs,
             )
         return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+def _model_type(path: str | Path) -> object:
+    """The ``model_type`` of a checkpoint folder's ``config.json`` (``None`` if unreadable)."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None

@@ -1,4 +1,4 @@
-"""Batched decode steps of a Qwen2-VL language model over paged KV.
+"""Batched decode steps of a Qwen2-VL or Qwen3-VL language model over paged KV.
 
 Every request of the batch feeds in one token. A step gathers the batch's KV through its page
 tables once (all layers in one gather, padded to the longest table, the padding masked out),
@@ -28,7 +28,7 @@ from torch.nn import functional
 from .._errors import InternalError
 
 if TYPE_CHECKING:
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
 __all__ = ["PagedDecoder"]
 
@@ -36,7 +36,9 @@ __all__ = ["PagedDecoder"]
 class PagedDecoder:
     """One model's decode step over paged KV; build it once per model (it copies weights)."""
 
-    def __init__(self, model: Qwen2VLForConditionalGeneration) -> None:
+    def __init__(
+        self, model: Qwen2VLForConditionalGeneration | Qwen3VLForConditionalGeneration
+    ) -> None:
         text: Any = model.model.language_model
         self._text = text
         self._lm_head = model.lm_head
@@ -52,17 +54,25 @@ class PagedDecoder:
         self._layers = []
         for layer in text.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
             self._layers.append(
                 (
                     layer.input_layernorm.weight.detach(),
                     torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                    torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+                    None if biases[0] is None else torch.cat(biases),
                     attn.o_proj.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
                     torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                     mlp.down_proj.weight.detach(),
                 )
             )
+        # Qwen3-VL's text model normalises each query and key head (RMSNorm over head_dim)
+        # before RoPE, with one weight for queries and one for keys; Qwen2-VL's does not.
+        self._qk_norms = [
+            (layer.self_attn.q_norm.weight.detach(), layer.self_attn.k_norm.weight.detach())
+            for layer in text.layers
+            if hasattr(layer.self_attn, "q_norm")
+        ]
         # ``x @ rotation`` is the model's ``rotate_half(x)``: ``(-x2, x1)``. Each output is one
         # input times +-1 plus exact zeros, so the product is exact.
         half = self._head_dim // 2
@@ -145,6 +155,15 @@ class PagedDecoder:
             normed = functional.rms_norm(hidden, shape, norm1, self._eps)
             qkv = functional.linear(normed, qkv_w, qkv_b).view(batch, rotated + kv_heads, dim)
             qk = qkv[:, :rotated]
+            if self._qk_norms:
+                q_norm, k_norm = self._qk_norms[index]
+                qk = torch.cat(
+                    (
+                        functional.rms_norm(qk[:, :heads], (dim,), q_norm, self._eps),
+                        functional.rms_norm(qk[:, heads:], (dim,), k_norm, self._eps),
+                    ),
+                    dim=1,
+                )
             qk = qk * cos + (qk @ self._rotation) * sin
             key = qk[:, heads:].unsqueeze(2)
             value = qkv[:, rotated:].unsqueeze(2)

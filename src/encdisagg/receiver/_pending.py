@@ -23,6 +23,7 @@ from ._received import EmbeddingPart, ReceivedEmbeddings
 from ._validate import (
     check_agreement,
     check_header_ids,
+    check_header_layout,
     check_header_payload,
     check_metadata_ids,
     check_metadata_size,
@@ -136,6 +137,7 @@ class PendingEmbeddings:
         check_header_payload(
             self.plan, header, where, hidden_size=receiver.hidden_size, dtype=receiver.dtype
         )
+        check_header_layout(self.plan, header, where, layout=receiver.layout)
         if header.part_idx in self._tensors:
             raise BadRequestError(f"{where}: part {header.part_idx} arrived twice")
         metadata = self._metadata.get(header.part_idx)
@@ -196,7 +198,7 @@ class PendingEmbeddings:
                     grid=metadata.grid,
                 )
             )
-        return ReceivedEmbeddings(rid=self.rid, parts=tuple(parts))
+        return ReceivedEmbeddings(rid=self.rid, parts=tuple(parts), layout=self._receiver.layout)
 
     # -- async around them -------------------------------------------------------------------
 

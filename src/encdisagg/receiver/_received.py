@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
 from .._modality import Modality
+from ..transfer import MAIN_SECTION, EmbeddingLayout
 
 __all__ = ["EmbeddingPart", "ModalityEmbeddings", "ReceivedEmbeddings", "ReceiverStats"]
+
+_DEEPSTACK = re.compile(r"deepstack_[0-9]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,26 @@ class ModalityEmbeddings:
     tensor: torch.Tensor
     token_counts: tuple[int, ...]
     grid: tuple[tuple[int, ...], ...]
+    #: The column sections of ``tensor`` (``None``: one section, the embedding itself).
+    layout: EmbeddingLayout | None = None
+
+    def sections(self) -> dict[str, torch.Tensor]:
+        """Each section of :attr:`tensor` by name, as a view (no copy): ``"embedding"``,
+        then e.g. ``"deepstack_0"``... Valid while :attr:`tensor` is."""
+        if self.layout is None:
+            return {MAIN_SECTION: self.tensor}
+        return self.layout.split(self.tensor)
+
+    @property
+    def main(self) -> torch.Tensor:
+        """The embedding the language model splices in at the media tokens (a view)."""
+        return self.sections()[MAIN_SECTION]
+
+    @property
+    def deepstack(self) -> tuple[torch.Tensor, ...]:
+        """The ``deepstack_<i>`` sections (views) in column order, which is layer order;
+        empty for a one-section layout."""
+        return tuple(view for name, view in self.sections().items() if _DEEPSTACK.fullmatch(name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +67,8 @@ class ReceivedEmbeddings:
 
     rid: str
     parts: tuple[EmbeddingPart, ...]
+    #: The receiver's layout of every part's tensor (``None``: one section).
+    layout: EmbeddingLayout | None = None
 
     def of(self, modality: Modality | str) -> ModalityEmbeddings | None:
         """The parts of ``modality`` joined (a copy when there are several), or ``None``."""
@@ -56,6 +82,7 @@ class ReceivedEmbeddings:
             tensor=tensor,
             token_counts=tuple(n for part in chosen for n in part.token_counts),
             grid=tuple(g for part in chosen for g in part.grid),
+            layout=self.layout,
         )
 
 

@@ -25,7 +25,7 @@ import anyio.lowlevel
 import torch
 
 from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
-from ..transfer import ReceivedPart, ZmqReceiver, dtype_name
+from ..transfer import EmbeddingLayout, ReceivedPart, ZmqReceiver, dtype_name
 from ._landing import LandingPool, PageRun
 from ._pending import PendingEmbeddings
 from ._plan import PART_SEPARATOR, RequestPlan
@@ -69,6 +69,9 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
     :param curve_secret_key: the receiver's CURVE secret key (Z85; ZMQ only): pushes are
         then accepted only from encoders configured with its public key
         (:attr:`curve_public_key`), encrypted and authenticated.
+    :param layout: the column sections every embedding has (e.g. Qwen3-VL's main embedding
+        and deepstack maps); its width must be ``hidden_size``. A ZMQ header that names a
+        layout must name this one; the received embeddings hand out each section as a view.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         max_payload_bytes: int | None = None,
         close_timeout_s: float = 10.0,
         curve_secret_key: str | bytes | None = None,
+        layout: EmbeddingLayout | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise BadRequestError(
@@ -97,6 +101,11 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise BadRequestError(f"hidden_size must be a positive integer; got {hidden_size!r}")
         dtype_name(dtype)
+        if layout is not None and layout.width != hidden_size:
+            raise BadRequestError(
+                f"layout has {layout.width} columns, but hidden_size is {hidden_size}"
+            )
+        self.layout = layout
         if isinstance(max_part_tokens, bool) or not isinstance(max_part_tokens, int):
             raise BadRequestError(f"max_part_tokens must be an integer; got {max_part_tokens!r}")
         if max_part_tokens < 1:

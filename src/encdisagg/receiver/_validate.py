@@ -23,13 +23,14 @@ from ._plan import part_req_id
 if TYPE_CHECKING:
     import torch
 
-    from ..transfer import EmbeddingHeader
+    from ..transfer import EmbeddingHeader, EmbeddingLayout
     from ._messages import PartMetadata
     from ._plan import RequestPlan
 
 __all__ = [
     "check_agreement",
     "check_header_ids",
+    "check_header_layout",
     "check_header_payload",
     "check_metadata_ids",
     "check_metadata_size",
@@ -121,6 +122,22 @@ def check_header_payload(
             f"{where}: hidden size is {header.shape[1]}, the receiver takes {hidden_size}",
             req_id=plan.rid,
         )
+
+
+def check_header_layout(
+    plan: RequestPlan, header: EmbeddingHeader, where: str, *, layout: EmbeddingLayout | None
+) -> None:
+    """:raises BadRequestError: a data part's header names a layout other than the
+    receiver's. A header without one is taken to have the receiver's (its width was checked)."""
+    if header.layout is None or header.layout == layout:
+        return
+    if layout is None and len(header.layout.sections) == 1:
+        return
+    expected = None if layout is None else layout.to_wire()
+    raise BadRequestError(
+        f"{where}: layout is {header.layout.to_wire()}, the receiver takes {expected}",
+        req_id=plan.rid,
+    )
 
 
 def check_agreement(header: EmbeddingHeader, metadata: PartMetadata) -> None:

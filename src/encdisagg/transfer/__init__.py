@@ -3,11 +3,17 @@
 - :class:`TransferEngine`: the protocol the Encoder moves registered memory with;
   :class:`LoopbackEngine` (in-process) and :class:`MooncakeEngine` implement it.
 - The embedding push format (DESIGN §5.2): :class:`EmbeddingHeader`, :func:`encode_header`,
-  :func:`decode_header` and the payload helpers.
+  :func:`decode_header` and the payload helpers; :class:`EmbeddingLayout` names the column
+  sections of a joint embedding (Qwen3-VL's deepstack features beside the main one).
 - ZMQ push and pull that work on asyncio and Trio: :class:`ZmqPushPool`, :class:`ZmqReceiver`.
 """
 
 from ._engine import TransferEngine as TransferEngine
+from ._layout import (
+    MAIN_SECTION as MAIN_SECTION,
+    EmbeddingLayout as EmbeddingLayout,
+    deepstack_layout as deepstack_layout,
+)
 from ._loopback import LoopbackEngine as LoopbackEngine, LoopbackFabric as LoopbackFabric
 from ._mooncake import MooncakeEngine as MooncakeEngine
 from ._wire import (
@@ -43,6 +49,9 @@ __all__ = (
     "ReceivedPart",
     "ZmqPushPool",
     "ZmqReceiver",
+    "EmbeddingLayout",
+    "MAIN_SECTION",
+    "deepstack_layout",
 )
 
 for _name in __all__:

@@ -11,6 +11,7 @@ import torch
 
 from .._errors import BadRequestError
 from .._modality import Modality
+from ._layout import EmbeddingLayout
 
 __all__ = [
     "WIRE_VERSION",
@@ -124,6 +125,9 @@ class EmbeddingHeader:
     grid: tuple[tuple[int, ...], ...]
     error: str | None = None
     status: int | None = None
+    # Optional (qwen3-vl): the named column sections of a data part's embedding, e.g. the
+    # main embedding then Qwen3-VL's deepstack feature maps; absent means one section.
+    layout: EmbeddingLayout | None = None
 
     def __post_init__(self) -> None:
         if type(self.v) is not int or self.v != WIRE_VERSION:
@@ -158,6 +162,26 @@ class EmbeddingHeader:
                 f"{sum(self.token_counts)}, but shape has {self.shape[0]} tokens",
                 req_id=self.req_id,
             )
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        # The layout describes a payload: an error part has none, and the columns must add
+        # up to the payload's width.
+        if self.layout is None:
+            return
+        if not isinstance(self.layout, EmbeddingLayout):
+            raise _bad("layout", "an EmbeddingLayout", self.layout)
+        if self.error is not None:
+            raise BadRequestError(
+                "embedding header field 'layout' is not allowed in an error part",
+                req_id=self.req_id,
+            )
+        if self.layout.width != self.shape[1]:
+            raise BadRequestError(
+                f"embedding header of req_id {self.req_id!r}: layout has {self.layout.width} "
+                f"columns, but shape is {self.shape[1]} wide",
+                req_id=self.req_id,
+            )
 
     @property
     def is_error(self) -> bool:
@@ -190,6 +214,8 @@ def encode_header(header: EmbeddingHeader) -> bytes:
     if header.error is not None:
         fields["error"] = header.error
         fields["status"] = header.status
+    if header.layout is not None:
+        fields["layout"] = header.layout.to_wire()
     packed: bytes = msgpack.packb(fields, use_bin_type=True)
     return packed
 
@@ -242,6 +268,8 @@ def decode_header(data: bytes | bytearray | memoryview) -> EmbeddingHeader:
         # Error fields are absent from data parts; an explicit nil is tolerated.
         if key in fields and fields[key] is None:
             del fields[key]
+    if (layout := fields.pop("layout", None)) is not None:
+        fields["layout"] = EmbeddingLayout.from_wire(layout)
     try:
         return EmbeddingHeader(**fields)
     except BadRequestError:

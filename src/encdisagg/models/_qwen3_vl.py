@@ -1,0 +1,441 @@
+"""Qwen3-VL vision towers (dense ``qwen3_vl`` and MoE ``qwen3_vl_moe``) behind ``VisionModel``.
+
+The tower returns the merged embedding *and* one deepstack feature map per deepstack layer,
+each ``[tokens, out_hidden_size]``; the language model adds the deepstack maps to its hidden
+states at the media tokens after its first decoder layers. ``forward`` concatenates them
+along the hidden axis into one ``[tokens, out_hidden_size * (1 + N)]`` tensor, so rows still
+belong to tokens: splitting per item, the prefix and global caches and every transport carry
+it unchanged, and :attr:`Qwen3VisionModel.embedding_layout` names the column sections (the
+wire header's ``layout``; the receiver hands each one out as a view).
+
+Images go through ``Qwen2VLImageProcessorPil`` with the checkpoint's settings (transformers
+maps ``qwen3_vl`` to it; the default class needs torchvision). ``Qwen3VLVideoProcessor``
+needs torchvision too, so a video is built the way it builds one: the frame size comes from
+its own ``smart_resize`` (a pixel budget over the whole clip, not per frame), every frame is
+resized to it, rescaled, normalised and patchified by the image processor, and consecutive
+frames are paired along the temporal axis (the last one repeated to fill the final pair).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, final
+
+import torch
+from PIL import Image
+from transformers import Qwen2VLImageProcessorPil
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as _video_resize
+
+from .._errors import BadRequestError, InternalError
+from .._modality import Modality
+from ..transfer import EmbeddingLayout, deepstack_layout
+from ._grids import grid_tokens
+from ._media import MediaPolicy, item_label, load_image, load_video
+from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
+from ._protocol import Preprocessed, split_embedding
+from ._qwen import (
+    _FRAMES_PER_CALL,
+    GRID_THW,
+    PIXEL_VALUES,
+    VIDEO_CONFIG_NAME,
+    _architecture_json,
+    _update_with_tensor,
+    state_digest,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["QWEN3_VIDEO_MAX_PIXELS", "QWEN3_VIDEO_MIN_PIXELS", "Qwen3VisionModel"]
+
+#: Qwen3VLVideoProcessor's ``size`` defaults: the pixels of the whole clip (frames x height x
+#: width) after resizing lie between these (32 = patch 16 x merge 2).
+QWEN3_VIDEO_MIN_PIXELS: Final = 128 * 32 * 32
+QWEN3_VIDEO_MAX_PIXELS: Final = 768 * 32 * 32
+SUPPORTED_VISION_TYPES: Final = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
+_SHARED_SETTINGS: Final = {
+    "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "merge_size": "spatial_merge_size",
+}
+
+
+@final
+class Qwen3VisionModel:
+    """A Qwen3-VL (dense or MoE) vision tower with its processor.
+
+    Build one with :func:`~encdisagg.models.load_model`; the constructor takes the parts.
+    ``preprocess`` is safe from several threads at once; ``forward`` one thread at a time.
+
+    :param tower: a ``Qwen3VLVisionModel`` or ``Qwen3VLMoeVisionModel`` on its device and dtype.
+    :param image_processor: the image processor whose settings fix the token counts.
+    :param name: the built-in name or checkpoint folder.
+    :param media: which media items are accepted and from where.
+    :param video_min_pixels: fewest pixels of a whole video clip after resizing.
+    :param video_max_pixels: most pixels of a whole video clip after resizing.
+    :param limits: the default media budgets.
+    :raises BadRequestError: naming ``model`` for another tower or mismatched patch sizes.
+    """
+
+    #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
+    accepts_media_limits: Final = True
+
+    def __init__(
+        self,
+        tower: PreTrainedModel,
+        image_processor: Qwen2VLImageProcessorPil,
+        *,
+        name: str,
+        media: MediaPolicy | None = None,
+        video_min_pixels: int = QWEN3_VIDEO_MIN_PIXELS,
+        video_max_pixels: int = QWEN3_VIDEO_MAX_PIXELS,
+        limits: MediaLimits | None = None,
+    ) -> None:
+        config: Any = tower.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_VISION_TYPES:
+            raise BadRequestError(
+                f"model: {name!r} is a {model_type!r} model; supported vision towers are "
+                f"{', '.join(SUPPORTED_VISION_TYPES)}"
+            )
+        for setting, tower_setting in _SHARED_SETTINGS.items():
+            ours = getattr(image_processor, setting, None)
+            theirs = getattr(config, tower_setting, None)
+            if ours != theirs:
+                raise BadRequestError(
+                    f"model: {name!r} has a processor with {setting}={ours!r}, but its tower "
+                    f"has {tower_setting}={theirs!r}"
+                )
+        module: torch.nn.Module = tower
+        module.train(False)
+        self._tower = tower
+        self._name = name
+        self._model_type: str = model_type
+        self._token_width = int(config.out_hidden_size)
+        self._layout = deepstack_layout(self._token_width, len(config.deepstack_visual_indexes))
+        self._media = media or MediaPolicy()
+        self._limits = limits or MediaLimits()
+        self._processor_config: dict[str, Any] = image_processor.to_dict()
+        self._merge_size = int(image_processor.merge_size)
+        self._patch_size = int(image_processor.patch_size)
+        self._temporal = int(image_processor.temporal_patch_size)
+        self._video_pixels = (video_min_pixels, video_max_pixels)
+        factor = self._patch_size * self._merge_size
+        size = image_processor.size
+        self._image_rule = ResizeRule(factor, int(size["shortest_edge"]), int(size["longest_edge"]))
+        # Per frame, a clip of one frame pair may take the whole clip budget.
+        self._video_rule = ResizeRule(factor, factor * factor, video_max_pixels)
+        self._threads = threading.local()
+        self._threads.processor = image_processor
+        identity = hashlib.sha256()
+        identity.update(model_type.encode())
+        identity.update(_architecture_json(config.to_dict()).encode())
+        identity.update(json.dumps(self._processor_config, sort_keys=True, default=str).encode())
+        identity.update(json.dumps(self._video_pixels).encode())
+        identity.update(state_digest(tower).encode())
+        self._identity = identity.hexdigest()
+
+    # --- identity and shape -------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The built-in name or checkpoint folder this model was loaded from."""
+        return self._name
+
+    @property
+    def identity(self) -> str:
+        """sha256 over the architecture, processor settings and weights; part of cache keys."""
+        return self._identity
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the joint embedding: ``out_hidden_size * (1 + deepstack layers)``."""
+        return self._layout.width
+
+    @property
+    def token_width(self) -> int:
+        """Width of each section: the merger's output, the language model's hidden size."""
+        return self._token_width
+
+    @property
+    def deepstack_layers(self) -> int:
+        """How many deepstack feature maps follow the main embedding."""
+        return len(self._layout.sections) - 1
+
+    @property
+    def embedding_layout(self) -> EmbeddingLayout:
+        """The column sections of every embedding: ``embedding``, ``deepstack_0``, ..."""
+        return self._layout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The tower's dtype, which its embeddings have too."""
+        dtype: torch.dtype = self._tower.dtype
+        return dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tower runs and its embeddings are returned."""
+        device: torch.device = self._tower.device
+        return device
+
+    @property
+    def merge_size(self) -> int:
+        """Patches folded into one token along each spatial axis."""
+        return self._merge_size
+
+    @property
+    def modalities(self) -> frozenset[Modality]:
+        """The modalities ``preprocess`` accepts."""
+        return frozenset({Modality.IMAGE, Modality.VIDEO})
+
+    @property
+    def media_limits(self) -> MediaLimits:
+        """The budgets ``preprocess`` applies when its caller passes none."""
+        return self._limits
+
+    @property
+    def tower(self) -> PreTrainedModel:
+        """The underlying transformers vision tower."""
+        return self._tower
+
+    def __repr__(self) -> str:
+        return (
+            f"Qwen3VisionModel(name={self._name!r}, type={self._model_type!r}, "
+            f"hidden_size={self.hidden_size}, deepstack_layers={self.deepstack_layers}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+    # --- preprocessing ------------------------------------------------------------------
+
+    def _processor(self) -> Qwen2VLImageProcessorPil:
+        # One private processor per thread: third-party code that may cache into itself.
+        processor: Qwen2VLImageProcessorPil | None = getattr(self._threads, "processor", None)
+        if processor is None:
+            processor = Qwen2VLImageProcessorPil.from_dict(dict(self._processor_config))
+            self._threads.processor = processor
+        return processor
+
+    def preprocess(
+        self,
+        items: Sequence[object],
+        modality: Modality | str,
+        *,
+        limits: MediaLimits | None = None,
+    ) -> Preprocessed:
+        """Decode and preprocess one request's images or videos. Blocks on CPU work, file
+        reads and (when enabled) media downloads.
+
+        Each image becomes one ``(1, h, w)`` grid row, each video one ``(t, h, w)`` row; the
+        ``cache_key`` hashes the pixel values, the grid and :attr:`identity`.
+
+        :raises BadRequestError: naming ``modality``, ``mm_items`` or ``mm_items[i]`` for input
+            this model does not take, cannot decode or that passes a budget.
+        """
+        modality = Modality.parse(modality)
+        if modality not in self.modalities:
+            supported = ", ".join(sorted(m.value for m in self.modalities))
+            raise BadRequestError(
+                f"modality {modality.value!r} is not supported by model {self._name!r} "
+                f"(supported: {supported})"
+            )
+        if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
+            raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
+        limits = limits or self._limits
+        limits.check_items(len(items))
+        budget = PixelBudget(
+            limits,
+            image_pixels=limits.max_image_pixels
+            or derived_image_pixels(self._image_rule.max_pixels),
+            image_rule=self._image_rule,
+            video_rule=self._video_rule,
+        )
+        processor = self._processor()
+        pixel_values: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        for index, item in enumerate(items):
+            if modality is Modality.IMAGE:
+                image = load_image(item, index, self._media, budget=budget)
+                values, grid = self._image_patches(processor, image, index)
+            else:
+                frames = load_video(item, index, self._media, budget=budget)
+                values, grid = self._video_patches(processor, frames, index)
+            pixel_values.append(values)
+            grids.append(grid)
+        if not grids:
+            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
+        grid_thw = torch.cat(grids)
+        rows = tuple(tuple(int(size) for size in row) for row in grid_thw.tolist())
+        token_counts = tuple(grid_tokens(row, self._merge_size) for row in rows)
+        features = {PIXEL_VALUES: torch.cat(pixel_values), GRID_THW: grid_thw}
+        return Preprocessed(
+            token_counts=token_counts,
+            grid=rows,
+            features=features,
+            cache_key=self._cache_key(features, rows),
+        )
+
+    def _image_patches(
+        self, processor: Qwen2VLImageProcessorPil, image: Image.Image, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            out = processor(images=[image], return_tensors="pt")
+        except (ValueError, TypeError) as exc:  # e.g. an aspect ratio above 200
+            raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
+        return out[PIXEL_VALUES], out["image_grid_thw"]
+
+    def video_frame_size(self, frames: int, height: int, width: int) -> tuple[int, int]:
+        """``(height, width)`` every frame of a ``frames``-frame clip is resized to: the rule of
+        ``Qwen3VLVideoProcessor`` (its pixel budget covers the whole clip). Does not block.
+
+        :raises ValueError: for an aspect ratio above 200.
+        """
+        low, high = self._video_pixels
+        # The processor sizes the frames of the clip as decoded (it pads to whole temporal
+        # patches afterwards) and refuses a clip shorter than one temporal patch; such a clip
+        # is sized here as the padded one it becomes.
+        resized: tuple[int, int] = _video_resize(
+            max(frames, self._temporal),
+            height,
+            width,
+            temporal_factor=self._temporal,
+            factor=self._patch_size * self._merge_size,
+            min_pixels=low,
+            max_pixels=high,
+        )
+        return resized
+
+    def _video_patches(
+        self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        label = item_label(index)
+        first = frames[0].size
+        for number, frame in enumerate(frames):
+            if frame.size != first:
+                raise BadRequestError(
+                    f"{label}[{number}]: frame is {frame.size[0]}x{frame.size[1]}, but the "
+                    f"video's first frame is {first[0]}x{first[1]}"
+                )
+        try:
+            height, width = self.video_frame_size(len(frames), first[1], first[0])
+        except ValueError as exc:
+            raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
+        temporal, patch = self._temporal, self._patch_size
+        grid_h, grid_w = height // patch, width // patch
+        kept: list[torch.Tensor] = []
+        channels = 0
+        for start in range(0, len(frames), _FRAMES_PER_CALL):
+            chunk = [
+                frame.resize((width, height), Image.Resampling.BICUBIC)
+                for frame in frames[start : start + _FRAMES_PER_CALL]
+            ]
+            try:
+                out = processor(images=chunk, do_resize=False, return_tensors="pt")
+            except (ValueError, TypeError) as exc:
+                raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
+            per_frame: torch.Tensor = out[PIXEL_VALUES]
+            channels = per_frame.shape[1] // (temporal * patch * patch)
+            # Each frame fills every temporal slot of its patch; keep one slot per frame.
+            shaped = per_frame.view(len(chunk), grid_h * grid_w, channels, temporal, patch * patch)
+            kept.append(shaped[:, :, :, 0].contiguous())
+            del out, per_frame, shaped
+        single = torch.cat(kept) if len(kept) > 1 else kept[0]
+        del kept
+        if pad := -len(frames) % temporal:
+            single = torch.cat([single, single[-1:].expand(pad, -1, -1, -1)])
+        grid_t = single.shape[0] // temporal
+        patches = grid_h * grid_w
+        # [t, temporal, patches, C, P] -> [t, patches, C, temporal, P]: the video processor's
+        # order (channel, then time, then the pixels of the patch) in each flattened row.
+        stacked = single.view(grid_t, temporal, patches, channels, patch * patch)
+        values = stacked.permute(0, 2, 3, 1, 4).reshape(grid_t * patches, -1).contiguous()
+        return values, torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.int64)
+
+    def _cache_key(
+        self, features: Mapping[str, torch.Tensor], grid: tuple[tuple[int, ...], ...]
+    ) -> str:
+        digest = hashlib.sha256()
+        digest.update(self._identity.encode())
+        digest.update(json.dumps(grid).encode())
+        for key in sorted(features):
+            digest.update(key.encode())
+            _update_with_tensor(digest, features[key])
+        return digest.hexdigest()
+
+    # --- forward ------------------------------------------------------------------------
+
+    def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
+        """Encode a batch in one fused tower call; one ``[tokens, hidden_size]`` tensor per
+        element (the main embedding, then each deepstack map: :attr:`embedding_layout`), on
+        :attr:`device` in :attr:`dtype`. Blocks on the tower's compute.
+
+        :raises InternalError: if an element lacks this model's features, or the tower
+            produced other token counts or widths than expected.
+        """
+        if not batch:
+            return []
+        pixel_values: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        totals: list[int] = []
+        for number, element in enumerate(batch):
+            totals.append(element.num_tokens)
+            if not element.token_counts:
+                continue
+            values = element.features.get(PIXEL_VALUES)
+            grid = element.features.get(GRID_THW)
+            if not isinstance(values, torch.Tensor) or not isinstance(grid, torch.Tensor):
+                raise InternalError(
+                    f"batch[{number}] has no {PIXEL_VALUES}/{GRID_THW} features; "
+                    f"it was not preprocessed by model {self._name!r}"
+                )
+            pixel_values.append(values)
+            grids.append(grid)
+        if not grids:
+            return [self._empty() for _ in batch]
+        with torch.inference_mode():
+            output = self._tower(
+                torch.cat(pixel_values).to(self.device, self.dtype),
+                grid_thw=torch.cat(grids).to(self.device),
+            )
+            sections = [output.pooler_output, *(output.deepstack_features or ())]
+            if len(sections) != len(self._layout.sections) or any(
+                section.dim() != 2 or section.shape[1] != self._token_width for section in sections
+            ):
+                shapes = [list(section.shape) for section in sections]
+                raise InternalError(
+                    f"Encoder produced sections of shapes {shapes}, expected "
+                    f"{len(self._layout.sections)} of width {self._token_width}"
+                )
+            rows = torch.cat(sections, dim=1)
+        pieces = split_embedding(rows, totals)
+        # Clones outside inference mode: ordinary tensors, each with its own storage (see
+        # QwenVisionModel.forward).
+        return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((0, self.hidden_size), dtype=self.dtype, device=self.device)
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write a checkpoint folder :func:`~encdisagg.models.load_model` loads back
+        bit-identically: the tower's ``config.json`` and ``model.safetensors``, the image
+        processor's ``preprocessor_config.json`` and ``video_preprocessor_config.json``
+        with the clip pixel limits. Blocks on disk I/O.
+        """
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._tower.save_pretrained(folder)
+        Qwen2VLImageProcessorPil.from_dict(dict(self._processor_config)).save_pretrained(folder)
+        video = {
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "size": {"shortest_edge": self._video_pixels[0], "longest_edge": self._video_pixels[1]},
+            "patch_size": self._patch_size,
+            "temporal_patch_size": self._temporal,
+            "merge_size": self._merge_size,
+        }
+        (folder / VIDEO_CONFIG_NAME).write_text(json.dumps(video, indent=2) + "\n")

@@ -1,0 +1,257 @@
+"""The Qwen3-VL adapter against transformers' own processor and model, checkpoints, batches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+from transformers import (
+    Qwen2VLImageProcessorPil,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeVisionConfig,
+)
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+from encdisagg import BadRequestError
+from encdisagg._modality import Modality
+from encdisagg.models import (
+    BUILTIN_MODELS,
+    Preprocessed,
+    Qwen3VisionModel,
+    VisionModel,
+    build_tiny_qwen3_vl,
+    load_model,
+    qwen3_vl_image_processor,
+    split_embedding,
+)
+from encdisagg.transfer import EmbeddingLayout
+
+from ._media_samples import encode, make_image
+
+# (width, height) of test images: below the minimum pixels (upscaled), odd sizes, wide.
+SIZES = [(56, 56), (100, 70), (300, 200), (640, 360)]
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Qwen3VisionModel:
+    model = load_model("tiny-qwen3-vl")
+    assert isinstance(model, Qwen3VisionModel)
+    return model
+
+
+@pytest.fixture(scope="module")
+def full() -> Qwen3VLForConditionalGeneration:
+    """The whole tiny Qwen3-VL the built-in tower comes from (same seed)."""
+    return build_tiny_qwen3_vl()
+
+
+@pytest.fixture(scope="module")
+def images() -> list[Image.Image]:
+    return [make_image(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
+
+
+def hf_reference(
+    full: Qwen3VLForConditionalGeneration, images: list[Image.Image]
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Grid, per-item embeddings and per-item deepstack maps as transformers computes them."""
+    processed = qwen3_vl_image_processor()(images=images, return_tensors="pt")
+    with torch.inference_mode():
+        out = full.model.get_image_features(
+            processed["pixel_values"], processed["image_grid_thw"], return_dict=True
+        )
+    per_item = tuple(
+        torch.cat([main, *maps], dim=1)
+        for main, *maps in zip(out.pooler_output, *out.deepstack_features, strict=True)
+    )
+    return processed["image_grid_thw"], per_item, tuple(out.pooler_output)
+
+
+def test_satisfies_the_protocol_and_names_its_layout(qwen3: Qwen3VisionModel) -> None:
+    assert isinstance(qwen3, VisionModel)
+    assert "tiny-qwen3-vl" in BUILTIN_MODELS
+    assert qwen3.token_width == 64
+    assert qwen3.deepstack_layers == 2
+    assert qwen3.hidden_size == 64 * 3
+    assert qwen3.embedding_layout == EmbeddingLayout(
+        (("embedding", 64), ("deepstack_0", 64), ("deepstack_1", 64))
+    )
+    assert qwen3.merge_size == 2
+    assert qwen3.modalities == {Modality.IMAGE, Modality.VIDEO}
+
+
+def test_token_counts_and_grids_equal_the_hf_processor(
+    qwen3: Qwen3VisionModel, images: list[Image.Image]
+) -> None:
+    processor = qwen3_vl_image_processor()
+    for image in images:  # unbatched
+        pre = qwen3.preprocess([encode(image)], Modality.IMAGE)
+        grid = processor(images=[image], return_tensors="pt")["image_grid_thw"]
+        assert pre.grid == tuple(tuple(row) for row in grid.tolist())
+        patches = processor.get_number_of_image_patches(image.height, image.width, {})
+        assert pre.token_counts == (patches // 4,)
+    batched = qwen3.preprocess([encode(image) for image in images], "image")
+    grid = processor(images=images, return_tensors="pt")["image_grid_thw"]
+    assert batched.grid == tuple(tuple(row) for row in grid.tolist())
+    assert batched.token_counts == tuple(int(row.prod()) // 4 for row in grid)
+    assert min(batched.token_counts) == 64  # 256 patches at least: Qwen3-VL's minimum
+
+
+def test_embeddings_and_deepstack_equal_the_hf_model_batched_and_not(
+    qwen3: Qwen3VisionModel, full: Qwen3VLForConditionalGeneration, images: list[Image.Image]
+) -> None:
+    _, expected, mains = hf_reference(full, images)
+    batched = qwen3.preprocess(images, Modality.IMAGE)
+    (joint,) = qwen3.forward([batched])
+    pieces = split_embedding(joint, batched.token_counts)
+    for piece, want, main in zip(pieces, expected, mains, strict=True):
+        assert torch.equal(piece, want)
+        assert torch.equal(qwen3.embedding_layout.split(piece)["embedding"], main)
+    for image, want in zip(images, expected, strict=True):
+        _, (alone,), _ = hf_reference(full, [image])
+        (ours,) = qwen3.forward([qwen3.preprocess([image], Modality.IMAGE)])
+        assert torch.equal(ours, alone)
+        torch.testing.assert_close(ours, want)  # batching only reorders float sums
+
+
+def test_a_mixed_batch_splits_back_per_item_exactly(
+    qwen3: Qwen3VisionModel, full: Qwen3VLForConditionalGeneration, images: list[Image.Image]
+) -> None:
+    first = qwen3.preprocess(images[:1], Modality.IMAGE)
+    rest = qwen3.preprocess(images[1:], Modality.IMAGE)
+    empty = Preprocessed(token_counts=(), grid=())
+    outputs = qwen3.forward([first, empty, rest])
+    assert [tuple(out.shape) for out in outputs] == [
+        (first.num_tokens, 192),
+        (0, 192),
+        (rest.num_tokens, 192),
+    ]
+    # The fused call is the HF model's over the same concatenated input, item for item.
+    _, expected, _ = hf_reference(full, images)
+    items = [outputs[0], *split_embedding(outputs[2], rest.token_counts)]
+    for got, want in zip(items, expected, strict=True):
+        assert torch.equal(got, want)
+        assert got.is_contiguous()
+
+
+def test_video_grid_equals_the_hf_video_processor(qwen3: Qwen3VisionModel) -> None:
+    # Qwen3VLVideoProcessor needs torchvision to run; its own patch count needs only its
+    # settings, which is all of it the grid depends on.
+    settings = SimpleNamespace(
+        size={"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32},
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        cap_pixels_per_frame=False,
+        max_video_tokens=768,
+    )
+    for frames, width, height in [(2, 64, 48), (5, 80, 64), (8, 640, 360), (16, 1280, 720)]:
+        clip = [make_image(width, height, seed=n) for n in range(frames)]
+        pre = qwen3.preprocess([clip], Modality.VIDEO)
+        (grid,) = pre.grid
+        patches = Qwen3VLVideoProcessor.get_num_of_video_patches(settings, frames, height, width)
+        assert grid[0] == -(-frames // 2)
+        assert grid[0] * grid[1] * grid[2] == patches
+        assert pre.features["pixel_values"].shape == (patches, 3 * 2 * 16 * 16)
+        (out,) = qwen3.forward([pre])
+        assert tuple(out.shape) == (patches // 4, 192)
+
+
+def test_checkpoint_round_trip_is_bit_identical(
+    qwen3: Qwen3VisionModel, images: list[Image.Image], tmp_path: Path
+) -> None:
+    qwen3.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    assert isinstance(loaded, Qwen3VisionModel)
+    assert loaded.identity == qwen3.identity
+    assert loaded.embedding_layout == qwen3.embedding_layout
+    pre = qwen3.preprocess(images, Modality.IMAGE)
+    again = loaded.preprocess(images, Modality.IMAGE)
+    assert again.cache_key == pre.cache_key
+    assert torch.equal(loaded.forward([again])[0], qwen3.forward([pre])[0])
+
+
+def test_a_full_checkpoint_loads_its_tower(
+    qwen3: Qwen3VisionModel,
+    full: Qwen3VLForConditionalGeneration,
+    images: list[Image.Image],
+    tmp_path: Path,
+) -> None:
+    full.save_pretrained(tmp_path)
+    qwen3_vl_image_processor().save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_vl"
+    loaded = load_model(tmp_path)
+    assert isinstance(loaded, Qwen3VisionModel)
+    assert loaded.identity == qwen3.identity  # the same tower, whatever folder it came from
+    pre = loaded.preprocess(images[:2], Modality.IMAGE)
+    assert torch.equal(loaded.forward([pre])[0], qwen3.forward([pre])[0])
+
+
+def test_a_moe_tower_checkpoint_loads(images: list[Image.Image], tmp_path: Path) -> None:
+    config = Qwen3VLMoeVisionConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=48,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0],
+    )
+    torch.manual_seed(3)
+    Qwen3VLMoeVisionModel(config).save_pretrained(tmp_path)
+    qwen3_vl_image_processor().save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    assert isinstance(loaded, Qwen3VisionModel)
+    assert loaded.embedding_layout.sections == (("embedding", 48), ("deepstack_0", 48))
+    pre = loaded.preprocess(images[:2], Modality.IMAGE)
+    (out,) = loaded.forward([pre])
+    assert tuple(out.shape) == (pre.num_tokens, 96)
+
+
+def test_a_processor_that_does_not_fit_the_tower_is_refused(
+    qwen3: Qwen3VisionModel,
+) -> None:
+    with pytest.raises(BadRequestError, match="patch_size"):
+        Qwen3VisionModel(qwen3.tower, Qwen2VLImageProcessorPil(), name="mismatch")
+
+
+def test_an_unsupported_modality_names_it(qwen3: Qwen3VisionModel) -> None:
+    with pytest.raises(BadRequestError, match="modality 'audio'"):
+        qwen3.preprocess([b"RIFF"], Modality.AUDIO)
+
+
+_CHECKSUM_SCRIPT = """
+import hashlib, numpy as np
+from PIL import Image
+from encdisagg.models import load_model
+model = load_model("tiny-qwen3-vl")
+pixels = np.random.default_rng(1).integers(0, 256, (70, 100, 3), dtype=np.uint8)
+pre = model.preprocess([Image.fromarray(pixels, "RGB")], "image")
+(out,) = model.forward([pre])
+print(model.identity, pre.cache_key, hashlib.sha256(out.numpy().tobytes()).hexdigest())
+"""
+
+
+def test_the_tiny_default_is_deterministic_across_processes(
+    qwen3: Qwen3VisionModel, images: list[Image.Image]
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _CHECKSUM_SCRIPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    identity, cache_key, checksum = result.stdout.split()
+    pre = qwen3.preprocess([images[1]], "image")
+    (out,) = qwen3.forward([pre])
+    assert identity == qwen3.identity
+    assert cache_key == pre.cache_key
+    assert checksum == hashlib.sha256(out.numpy().tobytes()).hexdigest()
