@@ -14,10 +14,12 @@ the item, as ``mm_items[i]``, and the limit it broke.
 
 from __future__ import annotations
 
+import base64
 import io
 import math
 import re
 import struct
+import wave
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -28,7 +30,7 @@ from .._errors import BadRequestError
 from ._media_bytes import item_bytes
 from ._media_policy import MediaPolicy, item_label
 
-__all__ = ["MIN_AUDIO_SAMPLE_RATE", "AudioRules", "load_audio", "resample"]
+__all__ = ["MIN_AUDIO_SAMPLE_RATE", "AudioRules", "load_audio", "probe_wav", "resample"]
 
 #: Below this a "sample rate" is a malformed header, not audio.
 MIN_AUDIO_SAMPLE_RATE: Final = 1000
@@ -236,3 +238,16 @@ def load_audio(item: object, index: int, policy: MediaPolicy, rules: AudioRules)
         ) from None
     wave, rate = _decode(data, label, rules)
     return resample(wave, rate, rules.sampling_rate)
+
+
+def probe_wav(index: int, rate: int = 16_000) -> str:
+    """A 0.1 s mono WAV data URL whose samples differ per ``index``, so no cache answers
+    it: the health probe of an audio model. Does not block."""
+    samples = np.random.default_rng(index).integers(-3000, 3000, rate // 10, dtype=np.int16)
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(samples.astype("<i2").tobytes())
+    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -21,6 +21,7 @@ import anyio.lowlevel
 
 from .._config import EncoderConfig
 from .._errors import EncdisaggError, ServiceUnavailableError
+from .._modality import Modality
 from ..encoder import Encoder, EncodeRequest, EncodeResult
 from ..models import NullVisionModel, VisionModel
 from ..nurseries import ServiceTaskGroup, collapse_single_error, run_thread_to_completion
@@ -110,6 +111,17 @@ def _probe_png(index: int) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _probe_item(model: object, index: int) -> tuple[str, Modality]:
+    """The probe's item and modality: a tiny PNG, or a 0.1 s WAV for a model that encodes
+    audio and no images."""
+    modalities = getattr(model, "modalities", None)
+    if isinstance(modalities, frozenset) and modalities == {Modality.AUDIO}:
+        from ..models._audio_media import probe_wav
+
+        return probe_wav(index), Modality.AUDIO
+    return _probe_png(index), Modality.IMAGE
 
 
 @dataclass(eq=False)
@@ -251,9 +263,9 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
         req_id = f"{self._probe_prefix}-{index}"
         PROBING.set(True)  # this task is the probe's own
         try:
-            item = await run_thread_to_completion(_probe_png, index)
+            item, modality = await run_thread_to_completion(_probe_item, self.encoder.model, index)
             with anyio.fail_after(self._health_timeout_s):
-                await self.encoder.encode(EncodeRequest(req_id, [item]))
+                await self.encoder.encode(EncodeRequest(req_id, [item], modality=modality))
             probe.report = HealthReport(True, True)
         except TimeoutError:
             probe.report = HealthReport(
