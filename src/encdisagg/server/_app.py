@@ -105,6 +105,10 @@ class EncoderService:
             raise TypeError(
                 f"expected an EncoderConfig or an Encoder, got {type(config_or_encoder).__name__}"
             )
+        config = self.config
+        self.metrics.set_info(
+            model=config.model, transfer=config.transfer, dp=str(self.settings.dp)
+        )
         self._backend: Backend | None = None
         #: A drain began: readiness is false from then on.
         self.draining = False
@@ -424,7 +428,9 @@ def mount_encoder(
     prefix = (url_prefix or "").rstrip("/")
     paths = [*routes, "/health", "/health/live", "/health/ready", "/metrics"]
     app.asgi_app = AccessLog(  # type: ignore[method-assign,assignment]
-        ServiceLifespan(app.asgi_app, service), routes=[prefix + path for path in paths]
+        ServiceLifespan(app.asgi_app, service),
+        routes=[prefix + path for path in paths],
+        observe=service.metrics.observe_http,
     )
     return service
 

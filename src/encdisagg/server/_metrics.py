@@ -19,16 +19,20 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, generate_latest
+import sniffio
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
 
 from .._errors import BadRequestError
+from .._version import __version__
 from ..encoder import Encoder, EncoderEvents
+from ._process_metrics import worker_process_families
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -309,6 +313,8 @@ class WorkerStatus:
     rank: int
     alive: bool
     pending: int
+    #: Its process id, once started (its CPU and memory are read from it).
+    pid: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,13 +336,34 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._http: dict[tuple[str, str], int] = {}
+        # (route template, status) -> latency; bounded: the routes are the app's own paths
+        # (anything else is one "unmatched" route), the statuses those the server answers.
+        self._http_latency: dict[tuple[str, str], _Histogram] = {}
+        self._info: dict[str, str] = {"version": __version__}
         self._latest = ServiceSnapshot(MetricsSnapshot.merge(()))
         self.registry.register(_Collector(self))
+        # This process's CPU, memory and open files (process_*); the data-parallel
+        # workers' own come from the front's scrape of their /proc entries.
+        ProcessCollector(registry=self.registry)
 
     def count_http(self, route: str, code: int) -> None:
         """Count one answered request. Not async."""
         key = (route, str(code))
         self._http[key] = self._http.get(key, 0) + 1
+
+    def observe_http(self, route: str, status: int, seconds: float) -> None:
+        """Record one request's time, from its arrival until its response ended, under its
+        route template and status. Not async."""
+        key = (route, str(status))
+        histogram = self._http_latency.get(key)
+        if histogram is None:
+            histogram = self._http_latency[key] = _Histogram()
+        histogram.observe(seconds)
+
+    def set_info(self, **labels: str) -> None:
+        """Add labels of the ``encdisagg_build_info`` metric (model, transfer...); the
+        version is there already, the worker class is the serving event loop. Not async."""
+        self._info.update(labels)
 
     def update(self, snapshot: ServiceSnapshot) -> None:
         """Replace what the next :meth:`render` shows. Not async."""
@@ -349,6 +376,7 @@ class ServerMetrics:
     def _families(self) -> Iterator[Metric]:
         latest = self._latest
         snapshot = latest.encoder
+        yield from self._service_families(latest)
         http = CounterMetricFamily(
             "encdisagg_http_requests",
             "HTTP requests answered by the encoder routes.",
@@ -367,14 +395,9 @@ class ServerMetrics:
         yield requests
         for key, (name, documentation) in _HISTOGRAMS.items():
             hist = snapshot.histograms.get(key, _Histogram())
-            cumulative = 0
-            buckets: list[tuple[str, float]] = []
-            for bound, count in zip(
-                (*(repr(float(b)) for b in LATENCY_BUCKETS), "+Inf"), hist.counts, strict=True
-            ):
-                cumulative += count
-                buckets.append((bound, cumulative))
-            yield HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=hist.total)
+            yield HistogramMetricFamily(
+                name, documentation, buckets=_buckets(hist), sum_value=hist.total
+            )
         for name, documentation in _GAUGES.items():
             yield GaugeMetricFamily(
                 f"encdisagg_{name}", documentation, value=snapshot.gauges.get(name, 0)
@@ -403,6 +426,40 @@ class ServerMetrics:
                 "Messages from workers that were dropped as malformed.",
                 value=latest.malformed_messages,
             )
+
+    def _service_families(self, latest: ServiceSnapshot) -> Iterator[Metric]:
+        """The build info, the HTTP latency by route and status, and the workers' processes."""
+        try:
+            loop = sniffio.current_async_library()
+        except sniffio.AsyncLibraryNotFoundError:
+            loop = "none"  # rendered outside an event loop (an embedding application's)
+        yield InfoMetricFamily(
+            "encdisagg_build",
+            "encdisagg's version, the model, the transfer and the event loop serving.",
+            value={**self._info, "worker_class": loop},
+        )
+        latency = HistogramMetricFamily(
+            "encdisagg_http_request_duration_seconds",
+            "Time from a request's arrival until its response ended, by route and status.",
+            labels=["route", "status"],
+        )
+        for (route, status), hist in sorted(self._http_latency.items()):
+            latency.add_metric([route, status], _buckets(hist), hist.total)
+        yield latency
+        if latest.workers:
+            yield from worker_process_families((w.rank, w.pid) for w in latest.workers)
+
+
+def _buckets(hist: _Histogram) -> list[tuple[str, float]]:
+    """``hist`` as Prometheus' cumulative ``(le, count)`` pairs, ``+Inf`` last."""
+    cumulative = 0
+    buckets: list[tuple[str, float]] = []
+    for bound, count in zip(
+        (*(repr(float(b)) for b in LATENCY_BUCKETS), "+Inf"), hist.counts, strict=True
+    ):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    return buckets
 
 
 class _Collector:

@@ -31,11 +31,20 @@ class AccessLog:
     """ASGI middleware: logs one line per HTTP request to ``encdisagg.server.access``.
 
     :param routes: the paths logged as themselves; any other is logged as ``unmatched``.
+    :param observe: called with each request's route (as logged), status and duration in
+        seconds once it ended (the HTTP latency histogram); must not block.
     """
 
-    def __init__(self, app: Callable[..., Awaitable[None]], routes: Collection[str]) -> None:
+    def __init__(
+        self,
+        app: Callable[..., Awaitable[None]],
+        routes: Collection[str],
+        *,
+        observe: Callable[[str, int, float], None] | None = None,
+    ) -> None:
         self._app = app
         self._routes = frozenset(routes)
+        self._observe = observe
 
     async def __call__(
         self,
@@ -60,9 +69,12 @@ class AccessLog:
         try:
             await self._app(scope, receive, watched_send)
         finally:
-            duration_ms = round((time.perf_counter() - started) * 1000, 3)
+            seconds = time.perf_counter() - started
+            duration_ms = round(seconds * 1000, 3)
             path = scope.get("path", "")
             route = path if path in self._routes else _UNMATCHED
+            if self._observe is not None:
+                self._observe(route, status, seconds)
             method = str(scope.get("method", ""))
             _log.info(
                 "%s %s %s %.1fms",
