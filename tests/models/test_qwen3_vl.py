@@ -15,6 +15,8 @@ from PIL import Image
 from transformers import (
     Qwen2VLImageProcessorPil,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
     Qwen3VLMoeVisionConfig,
 )
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -213,6 +215,37 @@ def test_a_moe_tower_checkpoint_loads(images: list[Image.Image], tmp_path: Path)
     pre = loaded.preprocess(images[:2], Modality.IMAGE)
     (out,) = loaded.forward([pre])
     assert tuple(out.shape) == (pre.num_tokens, 96)
+
+
+def test_a_full_moe_checkpoint_loads_its_tower(images: list[Image.Image], tmp_path: Path) -> None:
+    dense = build_tiny_qwen3_vl().config.to_dict()
+    text = {
+        **dense["text_config"],
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    config = Qwen3VLMoeConfig(
+        text_config=text,
+        vision_config=dense["vision_config"],
+        image_token_id=500,
+        video_token_id=501,
+        vision_start_token_id=502,
+        vision_end_token_id=503,
+    )
+    torch.manual_seed(4)
+    full = Qwen3VLMoeForConditionalGeneration(config)
+    full.save_pretrained(tmp_path)
+    qwen3_vl_image_processor().save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    assert isinstance(loaded, Qwen3VisionModel)
+    pre = loaded.preprocess(images[:2], Modality.IMAGE)
+    (ours,) = loaded.forward([pre])
+    processed = qwen3_vl_image_processor()(images=images[:2], return_tensors="pt")
+    with torch.inference_mode():
+        out = full.model.visual(processed["pixel_values"], grid_thw=processed["image_grid_thw"])
+    expected = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
+    assert torch.equal(ours, expected)
 
 
 def test_a_processor_that_does_not_fit_the_tower_is_refused(

@@ -246,6 +246,7 @@ def _load_qwen3_vl(
         if not (folder / "preprocessor_config.json").is_file():
             raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
         config_class, tower_class = _QWEN3_TOWERS[config["model_type"]]
+        tower_class = _vision_only(tower_class)
         try:
             vision_config = config_class.from_pretrained(folder, local_files_only=True)
             tower, info = tower_class.from_pretrained(

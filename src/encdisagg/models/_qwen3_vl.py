@@ -127,8 +127,11 @@ class Qwen3VisionModel:
         factor = self._patch_size * self._merge_size
         size = image_processor.size
         self._image_rule = ResizeRule(factor, int(size["shortest_edge"]), int(size["longest_edge"]))
-        # Per frame, a clip of one frame pair may take the whole clip budget.
-        self._video_rule = ResizeRule(factor, factor * factor, video_max_pixels)
+        # The budget prices each frame before the clip's length is known; the frames of the
+        # shortest clip (one temporal patch) share the clip's pixels, so no frame gets more.
+        self._video_rule = ResizeRule(
+            factor, factor * factor, max(factor * factor, video_max_pixels // self._temporal)
+        )
         self._threads = threading.local()
         self._threads.processor = image_processor
         identity = hashlib.sha256()
