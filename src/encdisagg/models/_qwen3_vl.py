@@ -6,7 +6,8 @@ states at the media tokens after its first decoder layers. ``forward`` concatena
 along the hidden axis into one ``[tokens, out_hidden_size * (1 + N)]`` tensor, so rows still
 belong to tokens: splitting per item, the prefix and global caches and every transport carry
 it unchanged, and :attr:`Qwen3VisionModel.embedding_layout` names the column sections (the
-wire header's ``layout``; the receiver hands each one out as a view).
+wire header's ``layout``; the receiver hands each one out as a view). SGLang's Qwen3-VL encoder
+lays its output out the same way (main embedding first, then the maps in layer order).
 
 Images go through ``Qwen2VLImageProcessorPil`` with the checkpoint's settings (transformers
 maps ``qwen3_vl`` to it; the default class needs torchvision). ``Qwen3VLVideoProcessor``
