@@ -118,11 +118,13 @@ def _header(record: RequestRecord, layout: EmbeddingLayout | None = None) -> Emb
     dtype = "float16"
     token_counts: tuple[int, ...] = ()
     grid: tuple[tuple[int, ...], ...] = ()
+    video_timing = None
     if error is None:
         result = record.metadata
         assert result is not None
         shape = (result.num_tokens, result.hidden_size)
         dtype, token_counts, grid = result.dtype, result.token_counts, result.grid
+        video_timing = result.video_timing
     return EmbeddingHeader(
         req_id=record.req_id,
         num_parts=request.num_parts,
@@ -132,6 +134,7 @@ def _header(record: RequestRecord, layout: EmbeddingLayout | None = None) -> Emb
         dtype=dtype,
         token_counts=token_counts,
         grid=grid,
+        video_timing=video_timing,
         error=None if error is None else error.message,
         status=None if error is None else error.status,
         layout=layout if error is None else None,

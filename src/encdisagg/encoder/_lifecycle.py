@@ -145,6 +145,7 @@ class RequestLifecycle:
             nbytes=num_tokens * hidden * itemsize,
             token_counts=tuple(map(int, pre.token_counts)),
             grid=tuple([tuple(map(int, g)) for g in pre.grid]),
+            video_timing=pre.video_timing,
         )
         self.wakeups.wake(record.req_id)
 

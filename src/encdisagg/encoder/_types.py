@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .._errors import BadRequestError
 from .._modality import Modality
+from .._video_timing import VideoTiming
 
 __all__ = [
     "Destination",
@@ -89,6 +90,8 @@ class EncodeResult:
     nbytes: int
     token_counts: tuple[int, ...]
     grid: tuple[tuple[int, ...], ...]
+    #: For videos: each item's fps, second_per_grid_ts and timestamps (``None`` otherwise).
+    video_timing: tuple[VideoTiming, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,11 +159,16 @@ def _sampled_frames(
 
 
 def _pyav_frames(
-    data: bytes, label: str, policy: MediaPolicy, budget: PixelBudget | None
+    data: bytes,
+    label: str,
+    policy: MediaPolicy,
+    budget: PixelBudget | None,
+    frame_times: list[float] | None = None,
 ) -> list[Image.Image]:
     import av  # type: ignore[import-not-found,unused-ignore]  # optional dependency
 
     frames: list[Image.Image] = []
+    times: list[float] = []  # each kept frame's presentation time, in seconds
     interval = 1.0 / VIDEO_FILE_FPS
     next_time = 0.0
     keep = policy.max_video_frames
@@ -185,24 +190,33 @@ def _pyav_frames(
                     continue  # decoded, but never converted to an image or kept
                 image = frame.to_image()  # type: ignore[no-untyped-call,unused-ignore]
                 frames.append(image.convert("RGB"))
+                times.append(when)
                 next_time = when + interval
                 if len(frames) >= 2 * keep:
                     # Bound memory on long videos: keep every other frame and sample half
                     # as often from here on, so the kept frames stay evenly spaced.
                     frames = frames[::2]
+                    times = times[::2]
                     interval *= 2
     except BadRequestError:
         raise
     except Exception as exc:  # PyAV raises its own error tree for bad containers and codecs.
         raise BadRequestError(f"{label}: cannot decode video: {_describe(exc)}") from exc
-    frames = [frames[number] for number in _even_indices(len(frames), keep)]
+    kept = _even_indices(len(frames), keep)
+    frames = [frames[number] for number in kept]
+    if frame_times is not None:
+        frame_times[:] = [times[number] for number in kept]
     if budget is not None:
         budget.spend(label, len(frames) * frame_pixels)
     return frames
 
 
 def _file_frames(
-    data: bytes, label: str, policy: MediaPolicy, budget: PixelBudget | None
+    data: bytes,
+    label: str,
+    policy: MediaPolicy,
+    budget: PixelBudget | None,
+    frame_times: list[float] | None = None,
 ) -> list[Image.Image]:
     try:
         with Image.open(io.BytesIO(data)) as image:
@@ -212,7 +226,7 @@ def _file_frames(
     except Exception as exc:
         pil_error = _describe(exc)
     if importlib.util.find_spec("av") is not None:
-        return _pyav_frames(data, label, policy, budget)
+        return _pyav_frames(data, label, policy, budget, frame_times)
     raise BadRequestError(
         f"{label}: cannot decode video: not an animated image ({pil_error}), and video files "
         "need PyAV, which is not installed; send a list of frames instead"
@@ -220,7 +234,12 @@ def _file_frames(
 
 
 def load_video(
-    item: object, index: int, policy: MediaPolicy, *, budget: PixelBudget | None = None
+    item: object,
+    index: int,
+    policy: MediaPolicy,
+    *,
+    budget: PixelBudget | None = None,
+    frame_times: list[float] | None = None,
 ) -> list[Image.Image]:
     """Decode one video item into its RGB frames. Blocks on reads, decoding and fetches.
 
@@ -229,6 +248,9 @@ def load_video(
     2 frames per second. Files with more frames than ``max_video_frames`` (or, with a
     ``budget``, than fit what is left of it) are sampled evenly down while they are
     decoded: frames left out are never converted or kept.
+
+    ``frame_times``, when given, is filled with the kept frames' presentation times in
+    seconds where the decoder knows them (video files); it stays empty otherwise.
 
     :raises BadRequestError: naming ``mm_items[index]`` (and the frame) for anything it
         cannot decode, an empty video, a frame list longer than ``max_video_frames``, or
@@ -248,7 +270,7 @@ def load_video(
     elif isinstance(item, Image.Image):
         frames = _sampled_frames(item, label, policy, budget)
     else:
-        frames = _file_frames(item_bytes(item, label, policy), label, policy, budget)
+        frames = _file_frames(item_bytes(item, label, policy), label, policy, budget, frame_times)
     if not frames:
         raise BadRequestError(f"{label}: video has no frames")
     return frames

@@ -12,6 +12,7 @@ from .._errors import InternalError
 
 if TYPE_CHECKING:
     from .._modality import Modality
+    from .._video_timing import VideoTiming
 
 __all__ = ["Preprocessed", "VisionModel", "split_embedding"]
 
@@ -27,14 +28,18 @@ class Preprocessed:
     :param features: model-specific tensors ``forward`` consumes (e.g. ``pixel_values``).
     :param cache_key: a content hash of ``features``, ``grid`` and the model's identity;
         ``None`` means the result must not be cached.
+    :param video_timing: for videos, each item's timing (fps, ``second_per_grid_ts``,
+        timestamps) as the model's video processor computes it; ``None`` otherwise.
     :raises InternalError: if ``token_counts`` and ``grid`` disagree on the number of items or
-        a count is negative; a model that builds such a value broke its own contract.
+        a count is negative, or ``video_timing`` has not one entry per item; a model that
+        builds such a value broke its own contract.
     """
 
     token_counts: tuple[int, ...]
     grid: tuple[tuple[int, ...], ...]
     features: Mapping[str, Any] = field(default_factory=dict)
     cache_key: str | None = None
+    video_timing: tuple[VideoTiming, ...] | None = None
 
     def __post_init__(self) -> None:
         counts = tuple(int(count) for count in self.token_counts)
@@ -45,6 +50,10 @@ class Preprocessed:
             )
         if any(count < 0 for count in counts):
             raise InternalError(f"Preprocessed token_counts must not be negative: {counts}")
+        if self.video_timing is not None and len(self.video_timing) != len(grid):
+            raise InternalError(
+                f"Preprocessed has {len(self.video_timing)} video timings for {len(grid)} items"
+            )
         # Callers pass lists as often as tuples; store the declared types so the value
         # compares, hashes and serialises the same whichever they passed.
         object.__setattr__(self, "token_counts", counts)

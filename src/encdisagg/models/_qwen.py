@@ -24,10 +24,12 @@ from transformers import Qwen2VLImageProcessorPil
 
 from .._errors import BadRequestError, InternalError
 from .._modality import Modality
+from .._video_timing import VideoTiming, video_timing
 from ._grids import grid_tokens
 from ._media import MediaPolicy, item_label, load_image, load_video
 from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
 from ._protocol import Preprocessed, split_embedding
+from ._video_items import video_source
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -261,13 +263,24 @@ class QwenVisionModel:
         processor = self._processor()
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
+        timings: list[VideoTiming] = []
         for index, item in enumerate(items):
             if modality is Modality.IMAGE:
                 image = load_image(item, index, self._media, budget=budget)
                 values, grid = self._image_patches(processor, image, index)
             else:
-                frames = load_video(item, index, self._media, budget=budget)
+                source, fps = video_source(item, index)
+                times: list[float] = []
+                frames = load_video(source, index, self._media, budget=budget, frame_times=times)
                 values, grid = self._video_patches(processor, frames, index)
+                timings.append(
+                    video_timing(
+                        len(frames),
+                        int(processor.temporal_patch_size),
+                        fps=fps,
+                        frame_times=times or None,
+                    )
+                )
             pixel_values.append(values)
             grids.append(grid)
         if not grids:
@@ -281,6 +294,7 @@ class QwenVisionModel:
             grid=rows,
             features=features,
             cache_key=self._cache_key(features, rows),
+            video_timing=tuple(timings) if modality is Modality.VIDEO else None,
         )
 
     def _budget(self, limits: MediaLimits, count: int) -> PixelBudget:

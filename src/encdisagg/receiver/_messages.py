@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from .._errors import BadRequestError
+from .._video_timing import VideoTiming, timing_from_wire
 
 __all__ = ["PartMetadata"]
 
@@ -55,6 +56,8 @@ class PartMetadata:
     token_counts: tuple[int, ...]
     #: Grid per item (``(t, h, w)`` for Qwen-family models).
     grid: tuple[tuple[int, ...], ...]
+    #: Video parts: each item's fps, second_per_grid_ts and timestamps (optional).
+    video_timing: tuple[VideoTiming, ...] | None = None
 
     def __post_init__(self) -> None:
         if sum(self.token_counts) != self.embedding_len:
@@ -89,7 +92,7 @@ class PartMetadata:
             raise BadRequestError(
                 f"/encode answer has unknown field(s): {', '.join(unknown)}", req_id=rid
             )
-        missing = sorted(_FIELDS - raw.keys())
+        missing = sorted(_FIELDS - _OPTIONAL - raw.keys())
         if missing:
             raise BadRequestError(
                 f"/encode answer is missing field(s): {', '.join(missing)}", req_id=rid
@@ -107,7 +110,19 @@ class PartMetadata:
             embedding_dim=_int("embedding_dim", raw["embedding_dim"], 1, rid),
             token_counts=_ints("token_counts", raw["token_counts"], rid),
             grid=tuple(_ints("grid", item, rid) for item in grid),
+            video_timing=_timing(raw.get("video_timing"), rid),
         )
 
 
 _FIELDS: Final = frozenset(f.name for f in fields(PartMetadata))
+#: Fields an answer may leave out (encoders that predate them, parts they do not apply to).
+_OPTIONAL: Final = frozenset({"video_timing"})
+
+
+def _timing(value: object, req_id: str | None) -> tuple[VideoTiming, ...] | None:
+    if value is None:
+        return None
+    try:
+        return timing_from_wire(value)
+    except BadRequestError as exc:
+        raise BadRequestError(f"/encode answer: {exc.message}", req_id=req_id) from None

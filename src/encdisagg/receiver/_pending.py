@@ -27,6 +27,7 @@ from ._validate import (
     check_header_payload,
     check_metadata_ids,
     check_metadata_size,
+    check_metadata_timing,
     check_part_index,
     encoder_error,
 )
@@ -115,6 +116,7 @@ class PendingEmbeddings:
             dtype=receiver.dtype,
             itemsize=receiver.itemsize,
         )
+        check_metadata_timing(self.plan, metadata, where)
         header = self._headers.get(metadata.part_idx)
         if header is not None:
             check_agreement(header, metadata)
@@ -196,6 +198,7 @@ class PendingEmbeddings:
                     tensor=tensor,
                     token_counts=metadata.token_counts,
                     grid=metadata.grid,
+                    video_timing=metadata.video_timing,
                 )
             )
         return ReceivedEmbeddings(rid=self.rid, parts=tuple(parts), layout=self._receiver.layout)

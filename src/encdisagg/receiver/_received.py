@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .._modality import Modality
+from .._video_timing import VideoTiming
 from ..transfer import MAIN_SECTION, EmbeddingLayout
 
 __all__ = ["EmbeddingPart", "ModalityEmbeddings", "ReceivedEmbeddings", "ReceiverStats"]
@@ -24,6 +25,9 @@ class EmbeddingPart:
     tensor: torch.Tensor
     token_counts: tuple[int, ...]
     grid: tuple[tuple[int, ...], ...]
+    #: Video parts: each item's fps, second_per_grid_ts and timestamps, when the encoder
+    #: sent them (checked against ``grid`` on arrival).
+    video_timing: tuple[VideoTiming, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,8 @@ class ModalityEmbeddings:
     tensor: torch.Tensor
     token_counts: tuple[int, ...]
     grid: tuple[tuple[int, ...], ...]
+    #: Each item's video timing, when every part carried it (``None`` otherwise).
+    video_timing: tuple[VideoTiming, ...] | None = None
     #: The column sections of ``tensor`` (``None``: one section, the embedding itself).
     layout: EmbeddingLayout | None = None
 
@@ -82,8 +88,15 @@ class ReceivedEmbeddings:
             tensor=tensor,
             token_counts=tuple(n for part in chosen for n in part.token_counts),
             grid=tuple(g for part in chosen for g in part.grid),
+            video_timing=_joined_timing(chosen),
             layout=self.layout,
         )
+
+
+def _joined_timing(parts: list[EmbeddingPart]) -> tuple[VideoTiming, ...] | None:
+    if any(part.video_timing is None for part in parts):
+        return None
+    return tuple(timing for part in parts for timing in part.video_timing or ())
 
 
 @dataclass(frozen=True, slots=True)

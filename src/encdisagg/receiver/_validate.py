@@ -17,6 +17,7 @@ from .._errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from .._video_timing import check_video_timing
 from ..transfer import dtype_name
 from ._plan import part_req_id
 
@@ -34,6 +35,7 @@ __all__ = [
     "check_header_payload",
     "check_metadata_ids",
     "check_metadata_size",
+    "check_metadata_timing",
     "check_part_index",
     "encoder_error",
 ]
@@ -81,6 +83,19 @@ def check_metadata_size(
             f"{dtype_name(dtype)} take {expected}",
             req_id=plan.rid,
         )
+
+
+def check_metadata_timing(plan: RequestPlan, metadata: PartMetadata, where: str) -> None:
+    """:raises BadRequestError: the answer's video timing does not fit the part: timing on a
+    part the plan does not hold as video, not one entry per item, or entries whose
+    timestamps do not number each item's temporal grid steps."""
+    check_video_timing(
+        metadata.video_timing,
+        modality=plan.parts[metadata.part_idx].modality.value,
+        grid=metadata.grid,
+        where=where,
+        req_id=plan.rid,
+    )
 
 
 def check_header_ids(plan: RequestPlan, header: EmbeddingHeader, where: str) -> None:
@@ -152,6 +167,14 @@ def check_agreement(header: EmbeddingHeader, metadata: PartMetadata) -> None:
             f"{list(header.shape)}, token_counts {list(header.token_counts)}) disagrees with its "
             f"/encode answer ({metadata.embedding_len} x {metadata.embedding_dim}, "
             f"token_counts {list(metadata.token_counts)})",
+            req_id=metadata.req_id,
+        )
+    if None not in (header.video_timing, metadata.video_timing) and (
+        header.video_timing != metadata.video_timing
+    ):
+        raise BadRequestError(
+            f"part {metadata.part_idx} ({metadata.req_id!r}): its ZMQ header's video_timing "
+            "disagrees with its /encode answer's",
             req_id=metadata.req_id,
         )
 

@@ -14,6 +14,7 @@ from typing import Any, Final, Self
 
 from .._errors import BadRequestError
 from .._modality import Modality
+from .._video_timing import VideoTiming, timing_from_wire, timing_to_wire
 from ..encoder import (
     Destination,
     EncodeRequest,
@@ -332,7 +333,15 @@ def result_json(result: EncodeResult, part_idx: int) -> dict[str, Any]:
         "embedding_dim": result.hidden_size,
         "token_counts": list(result.token_counts),
         "grid": [list(row) for row in result.grid],
+        **_timing_json(result),
     }
+
+
+def _timing_json(result: EncodeResult) -> dict[str, Any]:
+    # Only video answers carry timing: image and audio answers stay as they were.
+    if result.video_timing is None:
+        return {}
+    return {"video_timing": timing_to_wire(result.video_timing)}
 
 
 def result_to_wire(result: EncodeResult) -> dict[str, Any]:
@@ -345,11 +354,13 @@ def result_to_wire(result: EncodeResult) -> dict[str, Any]:
         "nbytes": result.nbytes,
         "token_counts": list(result.token_counts),
         "grid": [list(row) for row in result.grid],
+        **_timing_json(result),
     }
 
 
 _RESULT_FIELDS = frozenset(
     {"req_id", "num_tokens", "hidden_size", "dtype", "nbytes", "token_counts", "grid"}
+    | {"video_timing"}
 )
 
 
@@ -385,4 +396,9 @@ def result_from_wire(value: object) -> EncodeResult:
         nbytes=numbers["nbytes"] or 0,
         token_counts=tuple(counts),
         grid=tuple(tuple(row) for row in grid),
+        video_timing=_timing_field(fields.raw("video_timing", required=False)),
     )
+
+
+def _timing_field(value: object) -> tuple[VideoTiming, ...] | None:
+    return None if value is None else timing_from_wire(value)

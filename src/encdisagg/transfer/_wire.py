@@ -11,6 +11,7 @@ import torch
 
 from .._errors import BadRequestError
 from .._modality import Modality
+from .._video_timing import VideoTiming, check_video_timing, timing_from_wire, timing_to_wire
 from ._layout import EmbeddingLayout
 
 __all__ = [
@@ -125,6 +126,9 @@ class EmbeddingHeader:
     grid: tuple[tuple[int, ...], ...]
     error: str | None = None
     status: int | None = None
+    # Optional (video timing): each video item's fps, second_per_grid_ts and timestamps,
+    # as the model's video processor computes them; absent for other parts.
+    video_timing: tuple[VideoTiming, ...] | None = None
     # Optional (qwen3-vl): the named column sections of a data part's embedding, e.g. the
     # main embedding then Qwen3-VL's deepstack feature maps; absent means one section.
     layout: EmbeddingLayout | None = None
@@ -162,6 +166,7 @@ class EmbeddingHeader:
                 f"{sum(self.token_counts)}, but shape has {self.shape[0]} tokens",
                 req_id=self.req_id,
             )
+        self._check_video_timing()
         self._check_layout()
 
     def _check_layout(self) -> None:
@@ -182,6 +187,27 @@ class EmbeddingHeader:
                 f"columns, but shape is {self.shape[1]} wide",
                 req_id=self.req_id,
             )
+
+    def _check_video_timing(self) -> None:
+        # Timing belongs to a video part's items: one entry per grid row, each numbering
+        # that row's temporal steps (see encdisagg._video_timing).
+        timings = self.video_timing
+        if timings is None:
+            return
+        if type(timings) is not tuple or not all(isinstance(t, VideoTiming) for t in timings):
+            raise _bad("video_timing", "a tuple of VideoTiming", timings)
+        if self.error is not None:
+            raise BadRequestError(
+                "embedding header field 'video_timing' is not allowed in an error part",
+                req_id=self.req_id,
+            )
+        check_video_timing(
+            timings,
+            modality=self.modality,
+            grid=self.grid,
+            where=f"embedding header of req_id {self.req_id!r}",
+            req_id=self.req_id,
+        )
 
     @property
     def is_error(self) -> bool:
@@ -214,6 +240,8 @@ def encode_header(header: EmbeddingHeader) -> bytes:
     if header.error is not None:
         fields["error"] = header.error
         fields["status"] = header.status
+    if header.video_timing is not None:
+        fields["video_timing"] = timing_to_wire(header.video_timing)
     if header.layout is not None:
         fields["layout"] = header.layout.to_wire()
     packed: bytes = msgpack.packb(fields, use_bin_type=True)
@@ -270,6 +298,12 @@ def decode_header(data: bytes | bytearray | memoryview) -> EmbeddingHeader:
             del fields[key]
     if (layout := fields.pop("layout", None)) is not None:
         fields["layout"] = EmbeddingLayout.from_wire(layout)
+    if fields.get("video_timing") is None:
+        fields.pop("video_timing", None)
+    else:
+        fields["video_timing"] = timing_from_wire(
+            fields["video_timing"], field="embedding header field 'video_timing'"
+        )
     try:
         return EmbeddingHeader(**fields)
     except BadRequestError:
