@@ -289,6 +289,28 @@ class TestCheckpoints:
         pre = audio_model.preprocess([clip(1.5)], "audio")
         assert torch.equal(back.forward([pre])[0], audio_model.forward([pre])[0])
 
+    def test_a_published_omni_layout_loads_its_audio_tower(
+        self, omni: QwenAudioModel, tmp_path: Path
+    ) -> None:
+        # Qwen/Qwen2.5-Omni-7B as transformers 4 wrote it: the thinker's tower under
+        # ``thinker.audio_tower.*`` beside everything else, its config nested twice.
+        from safetensors.torch import save_file
+
+        encoder = omni.encoder
+        weights = {f"thinker.audio_tower.{k}": v for k, v in encoder.state_dict().items()}
+        weights["thinker.model.embed_tokens.weight"] = torch.zeros(4, 4)
+        save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        config = {
+            "model_type": "qwen2_5_omni",
+            "thinker_config": {"audio_config": encoder.config.to_dict()},
+            "torch_dtype": "float32",
+        }
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        tiny_audio_feature_extractor().save_pretrained(tmp_path)
+        back = load_model(tmp_path)
+        assert isinstance(back, QwenAudioModel)
+        assert back.identity == omni.identity
+
     def test_folders_missing_parts_are_refused(self, qwen2: QwenAudioModel, tmp_path: Path) -> None:
         qwen2.save_pretrained(tmp_path)
         (tmp_path / "preprocessor_config.json").unlink()
