@@ -32,6 +32,7 @@ from ._backend import SERVER_MODELS
 from ._grpc_serving import grpc_url
 from ._logs import LOG_FORMATS, LogFormat, configure_logging
 from ._malloc import return_large_frees_to_the_os
+from ._noise import quiet_third_party
 from ._registered import ServerRegistration
 from ._runner import serve
 from ._settings import ServerSettings
@@ -433,6 +434,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"encdisagg serve: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(options.log_level, options.log_format)
+    quiet_third_party(options.log_level)
     warn_if_exposed(options.host, options.settings)
     # Before anything large is allocated: freed bodies and images go back to the system.
     return_large_frees_to_the_os()

@@ -50,6 +50,7 @@ from ._messages import (
     SendBody,
     result_to_wire,
 )
+from ._noise import quiet_third_party
 from ._startup import describe_startup_failure
 
 __all__ = ["main"]
@@ -332,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             level=args.log_level.upper(),
             format=f"%(asctime)s dp-worker-{args.rank} %(levelname)s %(name)s: %(message)s",
         )
+    quiet_third_party(args.log_level)
     config = EncoderConfig.from_mapping(
         json.loads(Path(args.config_file).read_text(encoding="utf-8"))
     )

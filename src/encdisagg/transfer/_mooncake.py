@@ -14,6 +14,7 @@ import anyio.to_thread
 from .._errors import TransferError
 from ..nurseries import run_thread_to_completion
 from ._mooncake_listen import keep_listeners_to_host, socket_inodes
+from ._native_logs import native_lines_to_logging, quiet_mooncake_by_default
 from ._regions import RegionTable, check_range
 
 __all__ = ["MooncakeEngine"]
@@ -41,6 +42,7 @@ class _MooncakeApi(Protocol):
 
 
 def _create_mooncake() -> _MooncakeApi:
+    quiet_mooncake_by_default()  # before the import: Mooncake reads its level when it loads
     try:
         from mooncake.engine import TransferEngine as _Engine
     except ImportError as exc:
@@ -206,16 +208,18 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
                 )
 
     def _start(self) -> None:
-        engine = _create_mooncake()
-        sockets_before = socket_inodes()
-        rc = engine.initialize(
-            self._hostname, self._metadata_server, self._protocol, self._device_name
-        )
-        if rc != 0:
-            raise TransferError(
-                f"mooncake initialize of {self._hostname} ({self._protocol}, "
-                f"{self._metadata_server}) failed (rc={rc})"
+        # Mooncake's start-up lines go to Python's logging (debug level unless it fails).
+        with native_lines_to_logging():
+            engine = _create_mooncake()
+            sockets_before = socket_inodes()
+            rc = engine.initialize(
+                self._hostname, self._metadata_server, self._protocol, self._device_name
             )
+            if rc != 0:
+                raise TransferError(
+                    f"mooncake initialize of {self._hostname} ({self._protocol}, "
+                    f"{self._metadata_server}) failed (rc={rc})"
+                )
         host, _, port = self._hostname.rpartition(":")
         host = host if host and port.isdigit() else self._hostname
         # Before the engine is published: nothing reaches it through another interface.
