@@ -19,6 +19,7 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
     Qwen3VLMoeVisionConfig,
 )
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
@@ -164,6 +165,22 @@ def test_video_grid_equals_the_hf_video_processor(qwen3: Qwen3VisionModel) -> No
         assert pre.features["pixel_values"].shape == (patches, 3 * 2 * 16 * 16)
         (out,) = qwen3.forward([pre])
         assert tuple(out.shape) == (patches // 4, 192)
+
+
+def test_video_timestamps_equal_the_hf_processor(qwen3: Qwen3VisionModel) -> None:
+    clip = [make_image(64, 48, seed=n) for n in range(5)]
+    pre = qwen3.preprocess([{"frames": clip, "fps": 4}, clip], Modality.VIDEO)
+    assert pre.video_timing is not None
+    given, default = pre.video_timing
+    # _calculate_timestamps reads nothing of its processor: call it on the frame indices.
+    assert given.timestamps == pytest.approx(
+        Qwen3VLProcessor._calculate_timestamps(None, list(range(5)), 4.0, 2)
+    )
+    assert default.timestamps == pytest.approx(
+        Qwen3VLProcessor._calculate_timestamps(None, list(range(5)), 2.0, 2)
+    )
+    assert len(given.timestamps) == pre.grid[0][0] == 3
+    assert qwen3.preprocess([clip[0]], Modality.IMAGE).video_timing is None
 
 
 def test_checkpoint_round_trip_is_bit_identical(

@@ -33,6 +33,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 
 from .._errors import BadRequestError, InternalError
 from .._modality import Modality
+from .._video_timing import VideoTiming, video_timing
 from ..transfer import EmbeddingLayout, deepstack_layout
 from ._grids import grid_tokens
 from ._media import MediaPolicy, item_label, load_image, load_video
@@ -47,6 +48,7 @@ from ._qwen import (
     _update_with_tensor,
     state_digest,
 )
+from ._video_items import video_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -261,13 +263,20 @@ class Qwen3VisionModel:
         processor = self._processor()
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
+        timings: list[VideoTiming] = []
         for index, item in enumerate(items):
             if modality is Modality.IMAGE:
                 image = load_image(item, index, self._media, budget=budget)
                 values, grid = self._image_patches(processor, image, index)
             else:
-                frames = load_video(item, index, self._media, budget=budget)
+                source, fps = video_source(item, index)
+                times: list[float] = []
+                frames = load_video(source, index, self._media, budget=budget, frame_times=times)
                 values, grid = self._video_patches(processor, frames, index)
+                # The <t seconds> of each temporal patch, as Qwen3VLProcessor computes them.
+                timings.append(
+                    video_timing(len(frames), self._temporal, fps=fps, frame_times=times or None)
+                )
             pixel_values.append(values)
             grids.append(grid)
         if not grids:
@@ -281,6 +290,7 @@ class Qwen3VisionModel:
             grid=rows,
             features=features,
             cache_key=self._cache_key(features, rows),
+            video_timing=tuple(timings) if modality is Modality.VIDEO else None,
         )
 
     def _image_patches(
