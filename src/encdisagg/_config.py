@@ -154,6 +154,8 @@ class EncoderConfig:
     max_audio_sample_rate: int = 192_000
     #: Most channels of an audio item, from its header (they are averaged to mono).
     max_audio_channels: int = 8
+    #: Most seconds of all one request's audio items, from their headers: a 400 past it.
+    max_request_audio_seconds: float = 600.0
     #: Bound on preprocessed inputs waiting for (or in) a forward, in MiB; while over it,
     #: new encodes answer 503 with ``Retry-After``. ``None``: unbounded.
     queued_memory_limit_mb: int | None = 256
@@ -229,6 +231,11 @@ class EncoderConfig:
         if self.max_audio_seconds is not None and not 0 < self.max_audio_seconds < float("inf"):
             raise BadRequestError(
                 f"max_audio_seconds must be a positive number or null; got {self.max_audio_seconds}"
+            )
+        if not 0 < self.max_request_audio_seconds < float("inf"):
+            raise BadRequestError(
+                "max_request_audio_seconds must be a positive number; "
+                f"got {self.max_request_audio_seconds}"
             )
         for name in ("max_audio_sample_rate", "max_audio_channels"):
             if getattr(self, name) < 1:

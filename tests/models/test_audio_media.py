@@ -13,7 +13,7 @@ import pytest
 
 from encdisagg import BadRequestError
 from encdisagg.models import MediaPolicy
-from encdisagg.models._audio_media import AudioRules, load_audio, resample
+from encdisagg.models._audio_media import AudioBudget, AudioRules, load_audio, resample
 from encdisagg.models._media_limits import MediaLimits
 
 from ._audio_samples import RATE, clip, encode, sine
@@ -171,6 +171,36 @@ class TestHostile:
             decoded(clip(10.0), rules)
 
 
+class TestRequestBudget:
+    @pytest.mark.usefixtures("no_sample_reads")
+    def test_an_item_past_what_is_left_is_refused_unread(self) -> None:
+        budget = AudioBudget(20.0)
+        budget.spend("mm_items[0]", 15.0)
+        with pytest.raises(
+            BadRequestError,
+            match=r"mm_items\[0\]: the request's audio items last 21\.00 s, more than "
+            r"max_request_audio_seconds \(20 s\)",
+        ):
+            load_audio(clip(6.0), 0, POLICY, RULES, budget=budget)
+
+    @pytest.fixture
+    def no_sample_reads(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def refuse(*_args: object, **_kwargs: object) -> None:
+            pytest.fail("samples were decoded before the budget was checked")
+
+        monkeypatch.setattr(soundfile.SoundFile, "read", refuse)
+
+    def test_the_model_counts_the_whole_request(self) -> None:
+        from encdisagg.models import load_model
+
+        model = load_model("tiny-qwen2.5-omni-audio")
+        limits = MediaLimits(max_request_audio_seconds=5.0)
+        three = [clip(2.0), clip(2.0), clip(2.0)]
+        with pytest.raises(BadRequestError, match=r"mm_items\[2\]: the request's audio"):
+            model.preprocess(three, "audio", limits=limits)
+        assert model.preprocess(three[:2], "audio", limits=limits).token_counts == (50, 50)
+
+
 class TestLimits:
     def test_defaults_and_validation(self) -> None:
         limits = MediaLimits()
@@ -181,6 +211,9 @@ class TestLimits:
                 MediaLimits(max_audio_seconds=bad)
         with pytest.raises(BadRequestError, match="max_audio_channels must be"):
             MediaLimits(max_audio_channels=0)
+        assert limits.max_request_audio_seconds == 600.0
+        with pytest.raises(BadRequestError, match="max_request_audio_seconds must be"):
+            MediaLimits(max_request_audio_seconds=0)
 
     def test_the_model_window_caps_a_larger_setting(self) -> None:
         from encdisagg.models import load_model
@@ -195,8 +228,11 @@ class TestLimits:
         from encdisagg import EncoderConfig
         from encdisagg.encoder._compute import media_limits
 
-        config = EncoderConfig(max_audio_seconds=4.0, max_audio_sample_rate=48_000)
+        config = EncoderConfig(
+            max_audio_seconds=4.0, max_audio_sample_rate=48_000, max_request_audio_seconds=60.0
+        )
         limits = media_limits(config)
         assert (limits.max_audio_seconds, limits.max_audio_sample_rate) == (4.0, 48_000)
+        assert limits.max_request_audio_seconds == 60.0
         with pytest.raises(BadRequestError, match="max_audio_seconds must be"):
             EncoderConfig(max_audio_seconds=0)

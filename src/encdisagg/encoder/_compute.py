@@ -50,6 +50,7 @@ def media_limits(config: EncoderConfig) -> MediaLimits:
         max_audio_seconds=config.max_audio_seconds,
         max_audio_sample_rate=config.max_audio_sample_rate,
         max_audio_channels=config.max_audio_channels,
+        max_request_audio_seconds=config.max_request_audio_seconds,
     )
 
 

@@ -30,7 +30,14 @@ from .._errors import BadRequestError
 from ._media_bytes import item_bytes
 from ._media_policy import MediaPolicy, item_label
 
-__all__ = ["MIN_AUDIO_SAMPLE_RATE", "AudioRules", "load_audio", "probe_wav", "resample"]
+__all__ = [
+    "MIN_AUDIO_SAMPLE_RATE",
+    "AudioBudget",
+    "AudioRules",
+    "load_audio",
+    "probe_wav",
+    "resample",
+]
 
 #: Below this a "sample rate" is a malformed header, not audio.
 MIN_AUDIO_SAMPLE_RATE: Final = 1000
@@ -99,6 +106,34 @@ class AudioRules:
         )
 
 
+class AudioBudget:
+    """What is left of one request's audio seconds while its items are decoded in order.
+
+    Not thread-safe: one per ``preprocess`` call.
+
+    :param max_seconds: most seconds of all the request's audio items.
+    """
+
+    __slots__ = ("_max_seconds", "_spent")
+
+    def __init__(self, max_seconds: float) -> None:
+        self._max_seconds = max_seconds
+        self._spent = 0.0
+
+    def check(self, label: str, seconds: float) -> None:
+        """:raises BadRequestError: ``seconds`` more would pass the request's limit."""
+        if self._spent + seconds > self._max_seconds:
+            raise BadRequestError(
+                f"{label}: the request's audio items last {self._spent + seconds:.2f} s, more "
+                f"than max_request_audio_seconds ({self._max_seconds:g} s)"
+            )
+
+    def spend(self, label: str, seconds: float) -> None:
+        """Count ``seconds`` more. :raises BadRequestError: past the request's limit."""
+        self.check(label, seconds)
+        self._spent += seconds
+
+
 def _describe(exc: BaseException) -> str:
     # libsndfile names the file object it could not read; a client must never see our
     # addresses.
@@ -140,7 +175,9 @@ def _check_wav_complete(data: bytes, label: str) -> None:
         offset += 8 + size + (size & 1)  # chunks are padded to even sizes
 
 
-def _decode(data: bytes, label: str, rules: AudioRules) -> tuple[np.ndarray, int]:
+def _decode(
+    data: bytes, label: str, rules: AudioRules, budget: AudioBudget | None
+) -> tuple[np.ndarray, int]:
     """Mono float32 samples and their rate; budgets checked on the header, then per block."""
     import soundfile  # type: ignore[import-untyped,unused-ignore]  # optional (the "audio" extra)
 
@@ -149,6 +186,8 @@ def _decode(data: bytes, label: str, rules: AudioRules) -> tuple[np.ndarray, int
         with soundfile.SoundFile(io.BytesIO(data)) as source:
             rate, channels, frames = int(source.samplerate), int(source.channels), source.frames
             rules.check_header(label, rate, channels, max(int(frames), 0))
+            if budget is not None:
+                budget.check(label, max(int(frames), 0) / rate)
             limit = rules.max_frames(rate)
             decoded = 0
             while True:
@@ -165,6 +204,8 @@ def _decode(data: bytes, label: str, rules: AudioRules) -> tuple[np.ndarray, int
         raise BadRequestError(f"{label}: cannot decode audio: {_describe(exc)}") from exc
     if not blocks:
         raise BadRequestError(f"{label}: audio has no samples")
+    if budget is not None:
+        budget.spend(label, decoded / rate)
     return np.concatenate(blocks) if len(blocks) > 1 else np.array(blocks[0]), rate
 
 
@@ -193,7 +234,9 @@ def resample(wave: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray
     return result
 
 
-def _array_wave(item: np.ndarray, label: str, rules: AudioRules) -> np.ndarray:
+def _array_wave(
+    item: np.ndarray, label: str, rules: AudioRules, budget: AudioBudget | None
+) -> np.ndarray:
     if item.ndim != 1 or not np.issubdtype(item.dtype, np.floating):
         raise BadRequestError(
             f"{label}: an audio array must be 1-D floats at {rules.sampling_rate} Hz; "
@@ -203,23 +246,35 @@ def _array_wave(item: np.ndarray, label: str, rules: AudioRules) -> np.ndarray:
         rules.refuse_duration(label, len(item) / rules.sampling_rate)
     if len(item) == 0:
         raise BadRequestError(f"{label}: audio has no samples")
+    if budget is not None:
+        budget.spend(label, len(item) / rules.sampling_rate)
     wave = np.ascontiguousarray(item, dtype=np.float32)
     if not np.isfinite(wave).all():
         raise BadRequestError(f"{label}: audio samples must be finite numbers")
     return wave
 
 
-def load_audio(item: object, index: int, policy: MediaPolicy, rules: AudioRules) -> np.ndarray:
+def load_audio(
+    item: object,
+    index: int,
+    policy: MediaPolicy,
+    rules: AudioRules,
+    *,
+    budget: AudioBudget | None = None,
+) -> np.ndarray:
     """Decode one audio item into a mono float32 waveform at ``rules.sampling_rate``.
     Blocks on reads, fetches, decoding and resampling.
 
+    With a ``budget``, the item's duration (from its header) is checked against what is
+    left of the request's seconds before it is decoded, and spent once it is.
+
     :raises BadRequestError: naming ``mm_items[index]`` for an item that is not WAV, FLAC,
         OGG (Vorbis, Opus) or MP3, is truncated or undecodable, has no samples, or whose
-        sample rate, channel count or duration is over its budget.
+        sample rate, channel count or duration is over its budget (or the request's).
     """
     label = item_label(index)
     if isinstance(item, np.ndarray):
-        return _array_wave(item, label, rules)
+        return _array_wave(item, label, rules, budget)
     data = item_bytes(item, label, policy)
     kind = _sniffed_format(data)
     if kind is None:
@@ -236,7 +291,7 @@ def load_audio(item: object, index: int, policy: MediaPolicy, rules: AudioRules)
             f"{label}: audio needs the soundfile package, which is not installed "
             "(pip install 'encdisagg[audio]')"
         ) from None
-    wave, rate = _decode(data, label, rules)
+    wave, rate = _decode(data, label, rules, budget)
     return resample(wave, rate, rules.sampling_rate)
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_MAX_AUDIO_CHANNELS",
     "DEFAULT_MAX_AUDIO_SAMPLE_RATE",
     "DEFAULT_MAX_ITEMS",
+    "DEFAULT_MAX_REQUEST_AUDIO_SECONDS",
     "DEFAULT_MAX_REQUEST_PIXELS",
     "MediaLimits",
     "PixelBudget",
@@ -33,6 +34,8 @@ DEFAULT_MAX_REQUEST_PIXELS = 16_777_216
 #: Audio items above 192 kHz or with more than 8 channels are refused by default.
 DEFAULT_MAX_AUDIO_SAMPLE_RATE = 192_000
 DEFAULT_MAX_AUDIO_CHANNELS = 8
+#: Ten minutes: 15,000 tokens of Qwen2-Audio, more than one request's context holds.
+DEFAULT_MAX_REQUEST_AUDIO_SECONDS = 600.0
 #: The derived image budget is never below a 4K UHD frame.
 _UHD_PIXELS = 3840 * 2160
 #: Decoding a video walks every frame up to the last one kept (animated images composite
@@ -66,6 +69,7 @@ class MediaLimits:
         window (30 s for Qwen2-Audio and Qwen2.5-Omni); a longer setting is capped to it.
     :param max_audio_sample_rate: highest sample rate of an audio item, in Hz.
     :param max_audio_channels: most channels of an audio item (they are averaged to mono).
+    :param max_request_audio_seconds: most seconds of all the request's audio items.
     :raises BadRequestError: naming the field, for a value that is not a positive integer.
     """
 
@@ -76,6 +80,7 @@ class MediaLimits:
     max_audio_seconds: float | None = None
     max_audio_sample_rate: int = DEFAULT_MAX_AUDIO_SAMPLE_RATE
     max_audio_channels: int = DEFAULT_MAX_AUDIO_CHANNELS
+    max_request_audio_seconds: float = DEFAULT_MAX_REQUEST_AUDIO_SECONDS
 
     def __post_init__(self) -> None:
         _positive("max_items", self.max_items)
@@ -89,6 +94,15 @@ class MediaLimits:
             or not 0 < seconds < math.inf
         ):
             raise BadRequestError(f"max_audio_seconds must be a positive number; got {seconds!r}")
+        request_seconds = self.max_request_audio_seconds
+        if (
+            isinstance(request_seconds, bool)
+            or not isinstance(request_seconds, (int, float))
+            or not 0 < request_seconds < math.inf
+        ):
+            raise BadRequestError(
+                f"max_request_audio_seconds must be a positive number; got {request_seconds!r}"
+            )
         _positive("max_audio_sample_rate", self.max_audio_sample_rate)
         _positive("max_audio_channels", self.max_audio_channels)
 

@@ -32,7 +32,7 @@ from transformers.masking_utils import create_bidirectional_mask
 
 from .._errors import BadRequestError, InternalError
 from .._modality import Modality
-from ._audio_media import AudioRules, load_audio
+from ._audio_media import AudioBudget, AudioRules, load_audio
 from ._grids import audio_output_length
 from ._media_limits import MediaLimits
 from ._media_policy import MediaPolicy, item_label
@@ -280,34 +280,42 @@ class QwenAudioModel:
         limits = limits or self._limits
         limits.check_items(len(items))
         rules = self.audio_rules(limits)
-        waves = []
+        budget = AudioBudget(limits.max_request_audio_seconds)
+        extractor = self._extractor()
+        values: list[torch.Tensor] = []
+        lengths: list[torch.Tensor] = []
+        # One extractor call per item: a batched call would hold every item's spectrogram
+        # (a 30 s window's is ~5 MB) at once; the features are the same either way.
         for index, item in enumerate(items):
-            wave = load_audio(item, index, self._media, rules)
+            wave = load_audio(item, index, self._media, rules, budget=budget)
             if len(wave) < self._min_samples:
                 raise BadRequestError(
                     f"{item_label(index)}: audio is {len(wave)} samples at "
                     f"{self._sampling_rate} Hz, too short for one token (at least "
                     f"{self._min_samples})"
                 )
-            waves.append(wave)
-        if not waves:
+            out = extractor(
+                [wave],
+                sampling_rate=self._sampling_rate,
+                padding="max_length",
+                return_attention_mask=True,
+                return_tensors="pt",
+            )
+            del wave
+            mask: torch.Tensor = out["attention_mask"]
+            window: torch.Tensor = out[INPUT_FEATURES]
+            if self._family == "qwen2_5_omni":
+                # The encoder reads the valid frames only, packed along time: [mels, L].
+                window = window[0][:, mask[0].bool()].contiguous()
+            values.append(window)
+            lengths.append(mask.sum(-1).to(torch.int64))
+        if not values:
             return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
-        out = self._extractor()(
-            waves,
-            sampling_rate=self._sampling_rate,
-            padding="max_length",
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        values: torch.Tensor = out[INPUT_FEATURES]
-        mask: torch.Tensor = out["attention_mask"]
-        lengths = mask.sum(-1).to(torch.int64)
-        rows = tuple((int(length),) for length in lengths.tolist())
+        frame_counts = torch.cat(lengths)
+        rows = tuple((int(length),) for length in frame_counts.tolist())
         token_counts = tuple(audio_output_length(row[0], self._family) for row in rows)
-        if self._family == "qwen2_5_omni":
-            # The encoder reads the valid frames only, packed along time: [mels, sum(L)].
-            values = values.permute(0, 2, 1)[mask.bool()].permute(1, 0).contiguous()
-        features = {INPUT_FEATURES: values, FEATURE_LENGTHS: lengths}
+        joined = torch.cat(values, dim=1 if self._family == "qwen2_5_omni" else 0)
+        features = {INPUT_FEATURES: joined, FEATURE_LENGTHS: frame_counts}
         return Preprocessed(
             token_counts=token_counts,
             grid=rows,
