@@ -77,3 +77,19 @@ def bench_peer(session: nox.Session) -> None:
         *session.posargs,
         env={"ENCDISAGG_PEER_VENV": peer_venv, "HF_HUB_OFFLINE": "1"},
     )
+
+
+@nox.session(python=PYTHON)
+def interop(session: nox.Session) -> None:
+    """SGLang 0.5.20's own language-side code against real ``encdisagg serve --wire sglang``
+    servers (zmq_to_tokenizer, zmq_to_scheduler, mooncake; asyncio and trio); not part of
+    ``tests``. Builds SGLang's venv with ``../shared/peer/build_venv020.sh`` first, into
+    ``$ENCDISAGG_PEER_VENV`` or the script's default; see docs/sglang.md.
+    """
+    build = ROOT.parent / "shared" / "peer" / "build_venv020.sh"
+    if not build.is_file():
+        session.error(f"no build_venv020.sh in ../shared/peer (looked for {build})")
+    peer_venv = os.environ.get("ENCDISAGG_PEER_VENV")
+    session.run("bash", str(build), *([peer_venv] if peer_venv else []), external=True)
+    install_project(session, "mooncake-cpu")
+    session.run("python", "interop/run.py", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
