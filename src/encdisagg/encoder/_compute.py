@@ -405,9 +405,12 @@ class ComputePath:
         if batch:
             plan.set_outputs(await self.forward(request, batch, holding))
         device = getattr(self._model, "device", None)
-        tensor, token_counts, grid = plan.assemble(
-            device if isinstance(device, torch.device) else torch.device("cpu")
-        )
+        device = device if isinstance(device, torch.device) else torch.device("cpu")
+        if device.type == "cpu":
+            tensor, token_counts, grid = plan.assemble(device)
+        else:
+            # Cached rows are copied onto the device: a copy that waits, never on the loop.
+            tensor, token_counts, grid = await run_thread_to_completion(plan.assemble, device)
         self._warm_tiers(plan)
         return tensor, Preprocessed(token_counts=token_counts, grid=grid)
 
