@@ -1,0 +1,57 @@
+"""SglangService called directly (as the gRPC service calls it), over an open Encoder."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from encdisagg import BadRequestError, Encoder, RequestTimeoutError, TransferError
+from encdisagg.server._sglang_service import SglangService
+
+from ._helpers import fast_config
+from ._sglang_helpers import pull_sockets, sglang_encode_body
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_built_from_an_encoder_it_encodes_and_pushes() -> None:
+    with pull_sockets(1) as [tokenizer]:
+        async with Encoder(fast_config()) as encoder, SglangService(encoder) as sglang:
+            assert not sglang.mooncake
+            body = sglang_encode_body("direct", embedding_port=tokenizer.port)
+            assert await sglang.encode(body) is None
+            header, frames = await tokenizer.receive()
+            assert encoder.stats().live_requests == 0
+    assert header["req_id"] == "direct_local_part_0"
+    assert len(frames) == 2
+
+
+async def test_ranks_that_never_register_time_out_and_late_ones_get_the_error() -> None:
+    config = fast_config(request_timeout_s=0.5)
+    with pull_sockets(1) as [rank]:
+        async with Encoder(config) as encoder, SglangService(encoder) as sglang:
+            with pytest.raises(RequestTimeoutError, match="0 of \\? scheduler destinations"):
+                await sglang.encode(sglang_encode_body("lonely"))
+            assert encoder.stats().live_requests == 0
+            registration = {
+                "req_id": "lonely_local_part_0",
+                "receive_count": 1,
+                "receive_url": rank.host_port,
+            }
+            assert await sglang.scheduler_receive_url(registration) is None
+            header, frames = await rank.receive()
+    assert len(frames) == 1
+    assert header["error_code"] == 504
+    assert "scheduler destinations" in header["error_msg"]
+
+
+async def test_calls_outside_the_block_and_with_curve_are_refused() -> None:
+    public, _secret = zmq.curve_keypair()
+    with pytest.raises(BadRequestError, match="CURVE"):
+        SglangService(Encoder(fast_config(zmq_curve_server_key=public.decode())))
+    async with Encoder(fast_config()) as encoder:
+        sglang = SglangService(encoder)
+        with pytest.raises(TransferError, match="not running"):
+            await sglang.encode(sglang_encode_body("early", embedding_port=5000))
+        with pytest.raises(BadRequestError, match="mm_items"):
+            await sglang.encode({"req_id": "x"})
