@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -55,6 +56,9 @@ class ForwardJob:
     #: Called once, on the event loop, when the batcher is done with the job (run, skipped
     #: or failed): from then on nothing of the batcher's holds its inputs.
     on_finish: Callable[[], None] | None = None
+    #: When the job's (fused) forward began and ended (span clock, ``time.time_ns``), and
+    #: how many jobs it fused: read for a traced request's spans.
+    forward_ns: tuple[int, int, int] | None = None
 
     def finish(self, output: torch.Tensor | None, error: BaseException | None) -> None:
         self.output = output
@@ -159,6 +163,7 @@ class Batcher:
             await self._forward_group(group)
 
     async def _forward_group(self, group: list[ForwardJob]) -> None:
+        started_ns = time.time_ns()
         try:
             outputs = await self._forward([job.pre for job in group])
         except Exception as exc:
@@ -176,6 +181,9 @@ class Batcher:
                     continue
                 await self._forward_group([job])
             return
+        forward_ns = (started_ns, time.time_ns(), len(group))
+        for job in group:
+            job.forward_ns = forward_ns
         if len(outputs) != len(group):
             error = InternalError(
                 f"the model returned {len(outputs)} outputs for a batch of {len(group)}"

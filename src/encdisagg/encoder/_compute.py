@@ -14,6 +14,7 @@ from functools import partial
 import anyio
 import torch
 
+from .. import _tracing
 from .._config import EncoderConfig
 from .._errors import (
     BadRequestError,
@@ -32,6 +33,7 @@ from ._cache import PrefixCache
 from ._events import EncoderEvents
 from ._queued import QueuedInputs, feature_bytes
 from ._staged import calls_block
+from ._traced import FORWARD_SPAN, PREPROCESS_SPAN, record_batched
 from ._types import EncodeRequest
 
 __all__ = ["ComputePath"]
@@ -147,9 +149,13 @@ class ComputePath:
         return self._inline and self._global is None
 
     async def run(
-        self, request: EncodeRequest, on_preprocessed: OnPreprocessed
+        self,
+        request: EncodeRequest,
+        on_preprocessed: OnPreprocessed,
+        trace: _tracing.Trace | None = None,
     ) -> tuple[torch.Tensor, Preprocessed, bool]:
-        """Compute ``request``'s rows. A checkpoint unless :attr:`inline`.
+        """Compute ``request``'s rows. A checkpoint unless :attr:`inline`. With ``trace``,
+        its preprocessing, queueing and forward are spans under it.
 
         Decided before anything is decoded: more than ``max_items_per_request`` items is a
         400; arriving while queued inputs are at ``queued_memory_limit_mb``, a 503. Once
@@ -165,23 +171,27 @@ class ComputePath:
             ) from None
         holding = _Holding(self.queued)
         try:
-            return await self._run(request, on_preprocessed, holding)
+            return await self._run(request, on_preprocessed, holding, trace)
         finally:
             holding.release()
 
     async def _run(
-        self, request: EncodeRequest, on_preprocessed: OnPreprocessed, holding: _Holding
+        self,
+        request: EncodeRequest,
+        on_preprocessed: OnPreprocessed,
+        holding: _Holding,
+        trace: _tracing.Trace | None,
     ) -> tuple[torch.Tensor, Preprocessed, bool]:
         if self._global is not None:
-            rows, pre = await self._encode_items(request, holding)
+            rows, pre = await self._encode_items(request, holding, trace)
             on_preprocessed(pre)
             return rows, pre, False
-        pre = await self.preprocess(request, holding=holding)
+        pre = await self.preprocess(request, holding=holding, trace=trace)
         on_preprocessed(pre)
         cached = self._cache_lookup(request.req_id, pre)
         if cached is not None:
             return cached, pre, True
-        (output,) = await self.forward(request, [pre], holding)
+        (output,) = await self.forward(request, [pre], holding, trace)
         self._cache_insert(pre, output)
         return output, pre, False
 
@@ -191,11 +201,20 @@ class ComputePath:
         indices: Sequence[int] | None = None,
         *,
         holding: _Holding | None = None,
+        trace: _tracing.Trace | None = None,
     ) -> Preprocessed:
         """Preprocess the request's items (only those at ``indices`` if given; errors then
         still name items by their place in the request). With ``holding``, a model called
         in worker threads is admitted against the queued-input budget first, and the
-        result's bytes are counted in ``holding``."""
+        result's bytes are counted in ``holding``. With ``trace``, a span under it."""
+        if trace is None:
+            return await self._preprocess_items(request, indices, holding)
+        with trace.span(PREPROCESS_SPAN, {"encdisagg.items": len(indices or request.items)}):
+            return await self._preprocess_items(request, indices, holding)
+
+    async def _preprocess_items(
+        self, request: EncodeRequest, indices: Sequence[int] | None, holding: _Holding | None
+    ) -> Preprocessed:
         start = 0.0 if self._inline else anyio.current_time()
         items = request.items if indices is None else [request.items[i] for i in indices]
         try:
@@ -255,16 +274,21 @@ class ComputePath:
         request: EncodeRequest,
         batch: Sequence[Preprocessed],
         holding: _Holding | None = None,
+        trace: _tracing.Trace | None = None,
     ) -> list[torch.Tensor]:
         """Forward each element of ``batch`` (the batcher may fuse them with each other and
         with other requests' jobs); every output's row count is checked. If cancelled, the
         jobs are left to the batcher, which skips them, and ``holding`` stays held until
-        it is done with them."""
+        it is done with them. With ``trace``, the queueing and the forward are spans."""
         batcher = self.batcher
         if batcher is None:
-            return self._forward_inline(request, batch)
+            if trace is None:
+                return self._forward_inline(request, batch)
+            with trace.span(FORWARD_SPAN, {"encdisagg.batch_size": len(batch)}):
+                return self._forward_inline(request, batch)
         jobs = [ForwardJob(request.req_id, request.kind, pre) for pre in batch]
         start = anyio.current_time()
+        submitted_ns = 0 if trace is None else _tracing.now_ns()
         #: Jobs the batcher took; only those are sure to finish (a cancelled submit may or
         #: may not have delivered its job: counted out, its bytes are given back early).
         submitted: list[ForwardJob] = []
@@ -290,6 +314,8 @@ class ComputePath:
                 holding.outlive(submitted)
             raise
         self._events.phase("queue+forward", anyio.current_time() - start)
+        if trace is not None:
+            record_batched(trace, jobs, submitted_ns)
         outputs = []
         for job in jobs:
             if job.error is not None:
@@ -369,7 +395,7 @@ class ComputePath:
     # -- per item, through both cache tiers (config.global_cache set) ------------------------
 
     async def _encode_items(
-        self, request: EncodeRequest, holding: _Holding
+        self, request: EncodeRequest, holding: _Holding, trace: _tracing.Trace | None
     ) -> tuple[torch.Tensor, Preprocessed]:
         """Key each item; take local hits, then global hits; preprocess and forward only the
         rest; assemble in item order; insert what was computed (global: in the background).
@@ -392,7 +418,7 @@ class ComputePath:
         # them alone; the result is reused for their forward if they miss.
         for index in plan.unkeyed():
             plan.key_by_preprocessing(
-                index, await self.preprocess(request, [index], holding=holding)
+                index, await self.preprocess(request, [index], holding=holding, trace=trace)
             )
         self._local_lookup(request.req_id, plan)
         for key, item in (await global_cache.lookup(plan.open_keys())).items():
@@ -400,10 +426,12 @@ class ComputePath:
         self._events.phase("cache_lookup", anyio.current_time() - start)
         group = plan.to_preprocess()
         if group:
-            plan.set_preprocessed(group, await self.preprocess(request, group, holding=holding))
+            plan.set_preprocessed(
+                group, await self.preprocess(request, group, holding=holding, trace=trace)
+            )
         batch = plan.forward_batch()
         if batch:
-            plan.set_outputs(await self.forward(request, batch, holding))
+            plan.set_outputs(await self.forward(request, batch, holding, trace))
         device = getattr(self._model, "device", None)
         device = device if isinstance(device, torch.device) else torch.device("cpu")
         if device.type == "cpu":

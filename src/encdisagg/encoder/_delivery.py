@@ -8,8 +8,11 @@ once ZMQ no longer references the payload.
 
 from __future__ import annotations
 
+import dataclasses
+
 import anyio
 
+from .. import _tracing
 from .._errors import TransferError
 from ..nurseries import run_thread_to_completion
 from ..transfer import EmbeddingHeader, EmbeddingLayout, ZmqPushPool, payload_view
@@ -86,6 +89,9 @@ class Delivery:
         """Push the embedding (or the request's error part) to a ZMQ PULL endpoint."""
         record = job.record
         header = _header(record, self._layout)
+        if record.trace is not None:
+            # The receiver's spans continue the trace of this push (its transfer span).
+            header = dataclasses.replace(header, traceparent=_traceparent(record.trace))
         payload = None
         pin = None
         if record.phase is not Phase.FAILED:
@@ -103,6 +109,12 @@ class Delivery:
         # the staged memory is pinned: never reused).
         with job.waiting():
             await self._zmq.send(url, header, payload, on_still_held=pin)
+
+
+def _traceparent(encode_trace: _tracing.Trace) -> str | None:
+    current = _tracing.current()
+    value = None if current is None else current.traceparent()
+    return value if value is not None else encode_trace.traceparent()
 
 
 def _needs_own_registration(staged: Staged) -> bool:

@@ -23,6 +23,7 @@ import anyio
 import anyio.lowlevel
 import torch
 
+from .. import _tracing
 from .._config import EncoderConfig
 from .._errors import (
     BadRequestError,
@@ -42,6 +43,7 @@ from ._jobs import CutShort, Job
 from ._regions import RegionOwner
 from ._staged import Handover
 from ._table import Phase, RequestRecord, RequestTable
+from ._traced import ENCODE_SPAN, STAGE_SPAN, encode_attributes, transfer_span
 from ._types import Destination, EncodeRequest, EncodeResult, MooncakeDestination, ZmqDestination
 
 __all__ = ["RequestLifecycle"]
@@ -187,10 +189,18 @@ class RequestLifecycle:
         on_done = self._events.on_request_done
         started = 0.0 if on_done is None else self._now()
         status = "error"
+        # Captured once: None (nothing else to pay) unless a tracer provider is set.
+        trace = _tracing.current()
         try:
             with Job(record, self.free) as job:
                 try:
-                    result = await self._encode_job(job)
+                    if trace is None:
+                        result = await self._encode_job(job)
+                    else:
+                        # Sends and pushes of the request, later and from other tasks, hang
+                        # under its encode span too.
+                        with trace.span(ENCODE_SPAN, encode_attributes(request)) as record.trace:
+                            result = await self._encode_job(job)
                 except CutShort:
                     record.phase = Phase.ABORTED
                     raise RequestNotActiveError(
@@ -225,11 +235,12 @@ class RequestLifecycle:
         request = record.request
         compute = self._compute
         on_preprocessed = self._metadata_publisher(record)
+        trace = record.trace
         if compute.inline:
-            rows, _, from_cache = await compute.run(request, on_preprocessed)
+            rows, _, from_cache = await compute.run(request, on_preprocessed, trace)
         else:
             with job.waiting():
-                rows, _, from_cache = await compute.run(request, on_preprocessed)
+                rows, _, from_cache = await compute.run(request, on_preprocessed, trace)
         metadata = record.metadata
         assert metadata is not None
         if tuple(rows.shape) != (metadata.num_tokens, metadata.hidden_size) or (
@@ -238,14 +249,15 @@ class RequestLifecycle:
             _fail_layout(rows, metadata)
         if rows.requires_grad:
             rows = rows.detach()
-        staged = self._regions.stage(record.req_id, rows, copy=from_cache)
-        record.staged = staged
-        if staged.is_cuda:
-            # The forward and the copy into the arena may still be queued on the device:
-            # no transfer may read the memory before they finished.
-            await self._regions.device_finished(staged)
-        if not staged.transferable:
-            await self._regions.register_own(record.req_id, staged)
+        with _tracing.span(trace, STAGE_SPAN):
+            staged = self._regions.stage(record.req_id, rows, copy=from_cache)
+            record.staged = staged
+            if staged.is_cuda:
+                # The forward and the copy into the arena may still be queued on the device:
+                # no transfer may read the memory before they finished.
+                await self._regions.device_finished(staged)
+            if not staged.transferable:
+                await self._regions.register_own(record.req_id, staged)
         record.phase = Phase.STAGED
         record.deadline = self._now() + self.config.send_timeout_s
         self.deadlines.add(record)
@@ -294,10 +306,11 @@ class RequestLifecycle:
         start = self._now() if self._events.on_phase is not None else 0.0
         self.inflight += 1
         try:
-            if isinstance(destination, MooncakeDestination):
-                await self._delivery.write(job, destination)
-            else:
-                await self._delivery.push(job, destination.url)
+            with transfer_span(record.trace, destination):
+                if isinstance(destination, MooncakeDestination):
+                    await self._delivery.write(job, destination)
+                else:
+                    await self._delivery.push(job, destination.url)
         finally:
             self.inflight -= 1
         if self._events.on_phase is not None:

@@ -76,6 +76,8 @@ class RequestRecord:
     fallback_lock: Any = None
     #: Set by the free when an own registration went to the region owner.
     handover: Any = None
+    #: The request's encode span (an ``_tracing.Trace``) when it is traced, else None.
+    trace: Any = None
 
     def __post_init__(self) -> None:
         self.req_id = self.request.req_id

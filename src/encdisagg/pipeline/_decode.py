@@ -18,13 +18,14 @@ import logging
 import math
 from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 import torch
 
+from .. import _tracing
 from .._errors import ServiceUnavailableError
 from ..decode import DecodeBatch, run_decode_step, run_decode_step_inline
 from ._decode_sched import DecodeScheduler
@@ -39,6 +40,9 @@ __all__ = ["DecodeHandle", "DecodeWorker"]
 
 _log = logging.getLogger("encdisagg.pipeline")
 
+#: A traced request's time on the decode side, from its admission to its end.
+DECODE_SPAN: Final = "encdisagg.decode"
+
 
 class DecodeHandle:
     """One admitted decode request (from :meth:`DecodeWorker.admit`)."""
@@ -46,6 +50,9 @@ class DecodeHandle:
     def __init__(self, worker: DecodeWorker, job: DecodeJob) -> None:
         self._worker = worker
         self._job = job
+        # The admitting caller's trace: the decode span joins it once the request ended.
+        self._trace = _tracing.current()
+        self._admitted_ns = 0 if self._trace is None else _tracing.now_ns()
 
     @property
     def rid(self) -> str:
@@ -64,7 +71,19 @@ class DecodeHandle:
             self._worker.abort(job.rid)
             raise
         assert job.result is not None
+        if self._trace is not None:
+            _record_decode(self._trace, self._admitted_ns, job.result)
         return job.result
+
+
+def _record_decode(trace: _tracing.Trace, admitted_ns: int, result: DecodeResult) -> None:
+    attributes = {
+        "encdisagg.rid": result.rid,
+        "encdisagg.status": result.status.value,
+        "encdisagg.tokens": len(result.tokens),
+        "encdisagg.retractions": result.retractions,
+    }
+    trace.record(DECODE_SPAN, admitted_ns, _tracing.now_ns(), attributes)
 
 
 class DecodeWorker(anyio.AsyncContextManagerMixin):

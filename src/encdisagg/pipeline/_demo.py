@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO
 import anyio
 import sniffio
 
+from .. import _tracing
 from .._config import EncoderConfig
 from ..nurseries import run_thread_to_completion
 from ..receiver import EmbeddingReceiver, EncoderClient
@@ -48,6 +49,9 @@ _PROMPTS = (
     "Is there anything round in it?",
     "Write a caption for this image.",
 )
+
+#: The root span of one traced demo request.
+DEMO_SPAN = "encdisagg.demo.request"
 
 #: Where an abort may hit a request (the decode side's phases).
 ABORT_PHASES = (
@@ -180,6 +184,13 @@ async def run_demo(
         limiter = anyio.CapacityLimiter(options.concurrency)
 
         async def one(item: _Planned) -> None:
+            # The root of a traced request's one trace: encode, prefill and decode below it.
+            trace = _tracing.current()
+            attributes = None if trace is None else {"encdisagg.rid": item.request.rid}
+            with _tracing.span(trace, DEMO_SPAN, attributes):
+                await run_one(item)
+
+        async def run_one(item: _Planned) -> None:
             async with limiter:
                 request = item.request
                 handle = decode.admit(

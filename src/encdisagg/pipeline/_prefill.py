@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import anyio.lowlevel
 
+from .. import _tracing
 from .._errors import (
     EncdisaggError,
     InternalError,
@@ -57,6 +58,11 @@ if TYPE_CHECKING:
 __all__ = ["PrefillWorker"]
 
 _log = logging.getLogger("encdisagg.pipeline")
+
+#: A traced request's prefill (its embeddings fetched, the forward, the KV written), and
+#: the KV write to decode inside it.
+PREFILL_SPAN: Final = "encdisagg.prefill"
+KV_WRITE_SPAN: Final = "encdisagg.kv_write"
 
 
 class PrefillWorker(anyio.AsyncContextManagerMixin):
@@ -225,7 +231,10 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
             job.abort(self._tombstones.pop(room))
         report = PrefillReport(request.rid, PrefillStatus.FAILED, "not run")
         try:
-            report = await self._run(job)
+            trace = _tracing.current()
+            attributes = None if trace is None else {"encdisagg.rid": request.rid}
+            with _tracing.span(trace, PREFILL_SPAN, attributes):
+                report = await self._run(job)
         finally:
             # Synchronous from here: no write is in flight, and the ack goes out before any
             # other abort for this room can be handled.
@@ -260,9 +269,10 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
                 return self._report(
                     job, PrefillStatus.ABORTED, started, times, result, image_tokens
                 )
-            wrote_all = await run_thread_to_completion(
-                self._writer.write, staged, job.destination, job.stop
-            )
+            with _tracing.span(_tracing.current(), KV_WRITE_SPAN):
+                wrote_all = await run_thread_to_completion(
+                    self._writer.write, staged, job.destination, job.stop
+                )
             times["written"] = anyio.current_time()
             if not wrote_all:
                 self._writes_stopped += 1

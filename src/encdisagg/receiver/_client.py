@@ -12,6 +12,7 @@ import anyio
 import anyio.lowlevel
 import httpx
 
+from .. import _tracing
 from .._errors import BadRequestError, EncdisaggError, ServiceUnavailableError
 from .._modality import Modality
 from ._fleet import EncoderFleet
@@ -389,7 +390,9 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
             raise ServiceUnavailableError("the EncoderClient is not open", req_id=part.rid)
         try:
             with anyio.fail_after(timeout_s):
-                response = await client.post(part.url + route, json=body)
+                # The caller's trace (when traced) continues in the encoder's spans.
+                headers = _tracing.outgoing_headers()
+                response = await client.post(part.url + route, json=body, headers=headers)
         except (TimeoutError, httpx.TimeoutException):
             raise self._error(
                 part, route, TIMED_OUT, f"did not answer within {timeout_s} s"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Final
 
 import anyio
@@ -24,6 +24,7 @@ import anyio.abc
 import anyio.lowlevel
 import torch
 
+from .. import _tracing
 from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
 from ..transfer import EmbeddingLayout, ReceivedPart, ZmqReceiver, dtype_name
 from ._landing import LandingPool, PageRun
@@ -39,6 +40,8 @@ __all__ = ["EmbeddingReceiver"]
 _log = logging.getLogger("encdisagg.receiver")
 
 TRANSPORTS: Final = ("zmq", "mooncake")
+#: The span of a pushed part landing, under the encoder's transfer span.
+RECEIVE_SPAN: Final = "encdisagg.receive"
 #: The most tokens one part may carry by default: what Qwen2-VL's processor makes of one
 #: image at its default ``max_pixels`` (12,845,056 pixels / 28² per merged token).
 DEFAULT_MAX_PART_TOKENS: Final = 16384
@@ -346,7 +349,18 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             return
         self._parts_received += 1
         try:
-            pending.note_zmq_part(received)
+            with _receive_span(received):
+                pending.note_zmq_part(received)
         except BadRequestError as exc:
             self._malformed += 1
             pending.fail(exc)
+
+
+def _receive_span(received: ReceivedPart) -> AbstractContextManager[object]:
+    """A span under the encoder's push (the header's ``traceparent``) while the part lands;
+    a no-op for a part pushed untraced, or when nobody traces here."""
+    header = received.header
+    if header.traceparent is None:
+        return _tracing.span(None, RECEIVE_SPAN)
+    attributes = {"encdisagg.req_id": header.req_id, "encdisagg.part_idx": header.part_idx}
+    return _tracing.span(_tracing.from_traceparent(header.traceparent), RECEIVE_SPAN, attributes)

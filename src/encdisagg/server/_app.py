@@ -25,6 +25,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from .._config import EncoderConfig
 from .._errors import BadRequestError, EncdisaggError, ServiceUnavailableError
+from .._tracing import TRACEPARENT, server_span, set_status
 from ..encoder import Encoder
 from ..nurseries import run_thread_to_completion
 from ._access import ApiKey, PeerAllowList
@@ -408,7 +409,10 @@ def mount_encoder(
 
     def add_route(path: str, call: _Route) -> None:
         async def view() -> Response:
-            return await service._respond(path, call)
+            with server_span(path, request.headers.get(TRACEPARENT)) as trace:
+                response = await service._respond(path, call)
+                set_status(trace, response.status_code)
+                return response
 
         blueprint.add_url_rule(path, path.strip("/"), view, methods=["POST"])
 

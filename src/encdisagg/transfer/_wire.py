@@ -32,6 +32,8 @@ WIRE_VERSION: Final = 1
 
 #: Header frames longer than this are rejected before msgpack sees them.
 MAX_HEADER_BYTES: Final = 1 << 20
+#: Longest ``traceparent`` header field (the W3C form has 55 characters).
+MAX_TRACEPARENT_CHARS: Final = 128
 
 _DTYPES: Final[Mapping[str, torch.dtype]] = {
     "float16": torch.float16,
@@ -132,6 +134,9 @@ class EmbeddingHeader:
     # Optional (qwen3-vl): the named column sections of a data part's embedding, e.g. the
     # main embedding then Qwen3-VL's deepstack feature maps; absent means one section.
     layout: EmbeddingLayout | None = None
+    # Optional (tracing): the W3C traceparent of the transfer that sent this part, so the
+    # receiver's spans join the encoder's trace; absent when nobody traces.
+    traceparent: str | None = None
 
     def __post_init__(self) -> None:
         if type(self.v) is not int or self.v != WIRE_VERSION:
@@ -168,6 +173,7 @@ class EmbeddingHeader:
             )
         self._check_video_timing()
         self._check_layout()
+        self._check_traceparent()
 
     def _check_layout(self) -> None:
         # The layout describes a payload: an error part has none, and the columns must add
@@ -186,6 +192,20 @@ class EmbeddingHeader:
                 f"embedding header of req_id {self.req_id!r}: layout has {self.layout.width} "
                 f"columns, but shape is {self.shape[1]} wide",
                 req_id=self.req_id,
+            )
+
+    def _check_traceparent(self) -> None:
+        # Only its shape is checked here: what it says is the tracer's business, and a
+        # malformed one only starts a new trace there.
+        value = self.traceparent
+        if value is not None and (
+            type(value) is not str
+            or not 0 < len(value) <= MAX_TRACEPARENT_CHARS
+            or not value.isascii()
+            or not value.isprintable()
+        ):
+            raise _bad(
+                "traceparent", f"a str of 1 to {MAX_TRACEPARENT_CHARS} ASCII characters", value
             )
 
     def _check_video_timing(self) -> None:
@@ -244,6 +264,8 @@ def encode_header(header: EmbeddingHeader) -> bytes:
         fields["video_timing"] = timing_to_wire(header.video_timing)
     if header.layout is not None:
         fields["layout"] = header.layout.to_wire()
+    if header.traceparent is not None:
+        fields["traceparent"] = header.traceparent
     packed: bytes = msgpack.packb(fields, use_bin_type=True)
     return packed
 
@@ -298,6 +320,8 @@ def decode_header(data: bytes | bytearray | memoryview) -> EmbeddingHeader:
             del fields[key]
     if (layout := fields.pop("layout", None)) is not None:
         fields["layout"] = EmbeddingLayout.from_wire(layout)
+    if fields.get("traceparent", ...) is None:
+        fields.pop("traceparent", None)
     if fields.get("video_timing") is None:
         fields.pop("video_timing", None)
     else:
