@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from PIL import Image
+from transformers.utils import logging as transformers_logging
 
 from encdisagg.server._noise import quiet_third_party
 
@@ -21,10 +22,14 @@ def restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
     monkeypatch.delenv("ENCDISAGG_MC_LOG_LEVEL_DEFAULTED", raising=False)
     monkeypatch.delenv("ENCDISAGG_THIRD_PARTY_DEBUG", raising=False)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
     pil = logging.getLogger("PIL")
     level = pil.level
+    bars = transformers_logging.is_progress_bar_enabled()
     yield
     pil.setLevel(level)
+    if bars:
+        transformers_logging.enable_progress_bar()
 
 
 def _pil_debug_records(caplog: pytest.LogCaptureFixture) -> int:
@@ -49,6 +54,11 @@ def test_pillow_debug_is_quiet_even_at_debug_level(
 
 
 @pytest.mark.usefixtures("restored")
-def test_mooncake_warnings_only_below_debug() -> None:
+def test_mooncake_warnings_and_no_progress_bars_below_debug() -> None:
+    transformers_logging.enable_progress_bar()
+    quiet_third_party("debug")
+    assert transformers_logging.is_progress_bar_enabled()
     quiet_third_party("info")
     assert os.environ["MC_LOG_LEVEL"] == "WARNING"
+    assert not transformers_logging.is_progress_bar_enabled()
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1", "workers inherit it"
