@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import anyio
+import anyio.lowlevel
 import pytest
 import zmq
 
@@ -55,3 +57,18 @@ async def test_calls_outside_the_block_and_with_curve_are_refused() -> None:
             await sglang.encode(sglang_encode_body("early", embedding_port=5000))
         with pytest.raises(BadRequestError, match="mm_items"):
             await sglang.encode({"req_id": "x"})
+
+
+async def test_a_cancelled_encode_waiting_for_ranks_releases_its_part() -> None:
+    async with Encoder(fast_config()) as encoder, SglangService(encoder) as sglang:
+        async with anyio.create_task_group() as group:
+            group.start_soon(sglang.encode, sglang_encode_body("gone"))
+            with anyio.fail_after(30):
+                # Staged, and waiting for registrations that never come.
+                while encoder.stats().staged_bytes == 0:
+                    await anyio.wait_all_tasks_blocked()
+                    await anyio.lowlevel.checkpoint()
+            await anyio.wait_all_tasks_blocked()
+            group.cancel_scope.cancel()
+        assert encoder.stats().live_requests == 0
+        assert encoder.stats().staged_bytes == 0

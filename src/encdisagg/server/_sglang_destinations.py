@@ -92,16 +92,20 @@ class PushDestinations:
     async def wait_complete(self, req_id: str, timeout_s: float) -> list[str]:
         """Wait until ``receive_count`` destinations registered; their URLs.
 
-        A checkpoint. The entry stays owned by the caller until :meth:`finish`.
+        A checkpoint. While it waits, the entry is never pruned.
 
         :raises RequestTimeoutError: not all registered within ``timeout_s``.
         """
         entry = self.get(req_id)
         entry.waiting = True
-        with anyio.move_on_after(timeout_s):
-            while not entry.complete:
-                await entry.changed.wait()
-        await anyio.lowlevel.checkpoint()
+        try:
+            with anyio.move_on_after(timeout_s):
+                while not entry.complete:
+                    await entry.changed.wait()
+            await anyio.lowlevel.checkpoint()
+        finally:
+            # Cancelled or done: the entry may be pruned again once its time is up.
+            entry.waiting = False
         if not entry.complete:
             have = len(entry.urls)
             want = "?" if entry.count is None else entry.count
@@ -115,7 +119,6 @@ class PushDestinations:
     def finish(self, req_id: str, failure: tuple[str, int] | None = None) -> list[str]:
         """Mark the part pushed (or failed); the URLs registered so far. Not a checkpoint."""
         entry = self.get(req_id)
-        entry.waiting = False
         entry.done = True
         entry.failure = failure
         entry.created = anyio.current_time()  # kept for late registrations from now on

@@ -252,14 +252,10 @@ class SglangService(anyio.AsyncContextManagerMixin):
         try:
             result = await self._backend.metadata(MetadataBody(req_id, message.part_idx or 0))
             await self._backend.send(message.send)
-            part = self._part(req_id, info.num_parts, message.part_idx, info.modality, result)
-            notice = sglang_header(part)
-            await self._pusher.push(
-                message.notice_url, [notice], what=f"completion notice of {req_id!r}"
-            )
         except BadRequestError:
             raise
         except EncdisaggError as exc:
+            # A failed write released the part: the other ranks' /send fail fast too.
             self._mooncake_parts.pop(req_id, None)
             raise InternalError(exc.message, req_id=req_id) from None
         destination = message.send.destination
@@ -268,6 +264,14 @@ class SglangService(anyio.AsyncContextManagerMixin):
         count = message.send.receive_count or self._config.default_receive_count
         if len(info.sent_to) >= count:
             self._mooncake_parts.pop(req_id, None)
+        part = self._part(req_id, info.num_parts, message.part_idx, info.modality, result)
+        try:
+            await self._pusher.push(
+                message.notice_url, [sglang_header(part)], what=f"completion notice of {req_id!r}"
+            )
+        except TransferError as exc:
+            # The bytes landed, but this rank will not know: it fails at its own timeout.
+            raise InternalError(exc.message, req_id=req_id) from None
         return None
 
     # -- the parts of the calls --------------------------------------------------------------
