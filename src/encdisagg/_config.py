@@ -284,10 +284,12 @@ class EncoderConfig:
         """
         values = dict(mapping or {})
         values.update(overrides)
-        problems = cls.problems(values)
-        if problems:
-            raise BadRequestError("\n".join(problems))
-        return cls(**values)
+        if set(values) <= set(cls.field_names()):
+            try:
+                return cls(**values)
+            except BadRequestError:
+                pass  # look for every problem, not just this first one
+        raise BadRequestError("\n".join(cls.problems(values)))
 
     @classmethod
     def problems(cls, values: Mapping[str, Any]) -> list[str]:
