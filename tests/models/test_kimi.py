@@ -22,6 +22,7 @@ from encdisagg.models import (
     KimiVisionModel,
     Preprocessed,
     VisionModel,
+    kimi_grid_patches,
     kimi_grid_tokens,
     load_model,
     select_grid,
@@ -95,6 +96,17 @@ class TestAgainstUpstream:
         assert pre.token_counts == (h * w // 4,)
         assert pre.token_counts == (kimi_grid_tokens((t, h, w), (2, 2)),)
         assert pre.features["pixel_values"].shape == (h * w, 3, 14, 14)
+        assert kimi_grid_patches((t, h, w)) == h * w
+
+    @pytest.mark.parametrize("grid", [(1, 4, 6), (4, 4, 6), (3, 8, 2)])
+    def test_grid_helpers_match_upstream_pooling(
+        self, upstream_model: Kimi_K25Model, grid: tuple[int, int, int]
+    ) -> None:
+        # Clips of t frames: t*h*w patches in, h*w/4 pooled tokens out (time is averaged).
+        pixels = torch.randn(kimi_grid_patches(grid), 3, 14, 14, generator=torch.Generator())
+        with torch.inference_mode():
+            pooled = upstream_model.vision_tower(pixels, torch.tensor([grid])).pooler_output
+        assert pooled.shape[0] == kimi_grid_tokens(grid, (2, 2))
 
     def test_processor_output_is_read_as_grid_thws(self, kimi: KimiVisionModel) -> None:
         pre = kimi.preprocess([make_image(100, 60)], Modality.IMAGE)
