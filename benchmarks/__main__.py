@@ -193,6 +193,12 @@ BENCHES: tuple[Bench, ...] = (
         "etcd-discovered fleet: 1-3 encoders, host death to removal",
         _own_args,
     ),
+    Bench(
+        "decoders",
+        "bench_decoders.py",
+        "strict decoding: hand-written decoders vs msgspec Structs, same bodies",
+        _own_args,
+    ),
 )
 
 

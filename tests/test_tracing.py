@@ -137,3 +137,27 @@ def test_the_push_header_carries_an_optional_traceparent() -> None:
     for bad in (5, "", "x" * 129, "tab\there", "é"):
         with pytest.raises(BadRequestError, match="'traceparent'"):
             header(traceparent=bad)
+
+
+def test_worker_calls_carry_the_callers_traceparent(exporter: InMemorySpanExporter) -> None:
+    from encdisagg.server._ipc import MalformedMessage, WorkMessage, pack
+    from encdisagg.server._worker import _call_span
+
+    untraced = WorkMessage(1, "encode", {"req_id": "r"})
+    assert "traceparent" not in untraced.to_wire()
+    assert WorkMessage.decode(pack(untraced.to_wire())) == untraced
+    traced = WorkMessage(2, "encode", {"req_id": "r"}, PARENT)
+    assert WorkMessage.decode(pack(traced.to_wire())) == traced
+    for bad in ("", "x" * 129, 5):
+        with pytest.raises(MalformedMessage):
+            WorkMessage.decode(pack({**traced.to_wire(), "traceparent": bad}))
+    # In the worker, the call's span is current: the Encoder's spans hang under it.
+    with _call_span(traced):
+        inner = _tracing.current_traceparent()
+    assert inner is not None
+    assert inner.startswith(f"00-{TRACE_ID}-")
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "encdisagg.worker encode"
+    assert hex_ids(span) == (TRACE_ID, "b7ad6b7169203331")
+    with _call_span(untraced) as nothing:
+        assert nothing is None

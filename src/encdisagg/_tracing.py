@@ -46,6 +46,7 @@ __all__ = [
     "TRACER_NAME",
     "Trace",
     "current",
+    "current_traceparent",
     "from_traceparent",
     "now_ns",
     "outgoing_headers",
@@ -171,10 +172,15 @@ def span(
     return trace.span(name, attributes)
 
 
+def current_traceparent() -> str | None:
+    """The calling task's context as a ``traceparent`` value (``None`` when nobody traces)."""
+    trace = current()
+    return None if trace is None else trace.traceparent()
+
+
 def outgoing_headers() -> dict[str, str]:
     """The ``traceparent`` header for an HTTP call made now (empty when nobody traces)."""
-    trace = current()
-    value = None if trace is None else trace.traceparent()
+    value = current_traceparent()
     return {} if value is None else {TRACEPARENT: value}
 
 

@@ -39,7 +39,7 @@ from ._backend import HealthReport
 from ._dp_pending import PendingCalls
 from ._dp_routing import Router
 from ._dp_workers import DpWorker, WorkerSupervisor
-from ._ipc import IpcSocket, MalformedMessage, ReplyMessage, unpack
+from ._ipc import IpcSocket, MalformedMessage, ReplyMessage
 from ._messages import (
     EncodeBody,
     MetadataBody,
@@ -203,7 +203,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                 await anyio.sleep(0.1)
                 continue
             try:
-                message = ReplyMessage.from_wire(unpack(data))
+                message = ReplyMessage.decode(data)
                 self._on_reply(message)
             except MalformedMessage as exc:
                 self.malformed_messages += 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 
+from .. import _tracing
 from .._errors import EncdisaggError, RequestTimeoutError, ServiceUnavailableError
 from ._dp_workers import DpWorker
 from ._ipc import ControlMessage, ReplyMessage, WorkMessage
@@ -88,7 +89,9 @@ class PendingCalls:
         sent = False
         try:
             with anyio.fail_after(limit_s):
-                await worker.work.send(WorkMessage(pending.id, op, args).to_wire())
+                # The worker's spans continue the caller's trace (None: nobody traces).
+                message = WorkMessage(pending.id, op, args, _tracing.current_traceparent())
+                await worker.work.send(message.to_wire())
                 sent = True
                 await pending.done.wait()
         except TimeoutError:

@@ -4,7 +4,9 @@ Sockets are plain non-blocking ZMQ sockets whose ``ZMQ_FD`` is awaited with
 :func:`anyio.wait_readable`, so they work on asyncio and Trio alike. That descriptor is
 edge-triggered and signals any change of ``ZMQ_EVENTS``, so the events are re-read before
 every wait. Nothing is unpickled: every message is a msgpack map decoded into a frozen
-message type that rejects unknown fields and wrong types.
+message type that rejects unknown fields and wrong types. The decoding is msgspec's, from the
+bytes straight to a typed message (about 6x faster than unpacking a map and checking it by
+hand, ``benchmarks/bench_decoders.py``).
 
 Channels (the front binds, workers connect):
 
@@ -19,11 +21,12 @@ Channels (the front binds, workers connect):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final, Self, cast
+from typing import Annotated, Any, Final, Literal, Self, cast, get_args
 
 import anyio
 import anyio.lowlevel
 import msgpack
+import msgspec
 import zmq
 
 from .._errors import (
@@ -54,9 +57,8 @@ __all__ = [
 #: Largest message a worker or the front accepts (media travel inside encode calls).
 MAX_MESSAGE_BYTES: Final = 1024 * 1024 * 1024
 
-WORK_OPS: Final = frozenset(
-    {"encode", "send", "register", "metadata", "release", "health", "stats"}
-)
+WorkOp = Literal["encode", "send", "register", "metadata", "release", "health", "stats"]
+WORK_OPS: Final = frozenset(get_args(WorkOp))
 CONTROL_OPS: Final = frozenset({"cancel", "release", "stop"})
 #: Longest startup failure reason a worker reports (one line for the user).
 _MAX_REASON_CHARS: Final = 2000
@@ -76,8 +78,108 @@ _ERRORS: Final[dict[str, type[EncdisaggError]]] = {
 }
 
 
+_ErrorName = Literal[
+    "EncdisaggError",
+    "BadRequestError",
+    "NotFoundError",
+    "RequestNotActiveError",
+    "RequestTimeoutError",
+    "TransferError",
+    "ServiceUnavailableError",
+    "InternalError",
+]
+assert frozenset(get_args(_ErrorName)) == _ERRORS.keys()
+
+
 class MalformedMessage(ValueError):
     """A message that is not valid msgpack or does not fit its message type."""
+
+
+# -- the schemas msgspec decodes into (strict: no bools as ints, no unknown fields) ----------
+
+#: Call ids, ranks and pids: integers >= 0 (msgspec's bounds stop at int64).
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+_Name = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class _Work(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: _Count
+    op: WorkOp
+    args: dict[str, Any]
+    traceparent: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
+
+
+class _Cancel(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op", tag="cancel"
+):
+    id: _Count
+
+
+class _Release(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op", tag="release"
+):
+    req_id: _Name
+
+
+class _Stop(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op", tag="stop"):
+    pass
+
+
+class _Error(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: _ErrorName
+    message: str
+    req_id: str | None
+
+
+class _Ready(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind", tag="ready"
+):
+    rank: _Count
+    pid: _Count
+
+
+class _Failed(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind", tag="failed"
+):
+    rank: _Count
+    reason: str
+
+
+class _Result(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind", tag="result"
+):
+    rank: _Count
+    id: _Count
+    # UNSET tells an absent field from an explicit nil value.
+    value: Any = msgspec.UNSET
+    error: _Error | msgspec.UnsetType = msgspec.UNSET
+
+
+_Control = _Cancel | _Release | _Stop
+_Reply = _Ready | _Failed | _Result
+
+
+def _no_ext(code: int, data: memoryview) -> object:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+_WORK: Final = msgspec.msgpack.Decoder(_Work, ext_hook=_no_ext)
+_CONTROL: Final = msgspec.msgpack.Decoder(_Control, ext_hook=_no_ext)
+_REPLY: Final = msgspec.msgpack.Decoder(_Reply, ext_hook=_no_ext)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes, what: str) -> Any:
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
+        raise MalformedMessage(f"{what}: {exc}") from None
+
+
+def _convert(value: object, schema: Any, what: str) -> Any:
+    try:
+        return msgspec.convert(value, schema, strict=True)
+    except msgspec.ValidationError as exc:
+        raise MalformedMessage(f"{what}: {exc}") from None
 
 
 def pack(value: dict[str, Any]) -> bytes:
@@ -101,48 +203,35 @@ def unpack(data: bytes) -> dict[str, Any]:
     return value
 
 
-def _fields(value: dict[str, Any], what: str, required: set[str], optional: set[str]) -> None:
-    keys = set(value)
-    if not required <= keys:
-        raise MalformedMessage(f"{what} lacks {sorted(required - keys)}")
-    if not keys <= required | optional:
-        raise MalformedMessage(f"{what} has unknown fields {sorted(keys - required - optional)}")
-
-
-def _int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MalformedMessage(f"{name} must be an integer >= 0")
-    return value
-
-
-def _str(value: object, name: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise MalformedMessage(f"{name} must be a non-empty string")
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class WorkMessage:
-    """One call for a worker: ``op`` with ``args`` (a route's body map, or empty)."""
+    """One call for a worker: ``op`` with ``args`` (a route's body map, or empty), and the
+    caller's ``traceparent`` when it is traced (the worker's spans continue its trace)."""
 
     id: int
     op: str
     args: dict[str, Any]
+    traceparent: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "op": self.op, "args": self.args}
+        wire: dict[str, Any] = {"id": self.id, "op": self.op, "args": self.args}
+        if self.traceparent is not None:
+            wire["traceparent"] = self.traceparent
+        return wire
+
+    @classmethod
+    def decode(cls, data: bytes) -> Self:
+        """The message in ``data`` (msgpack). :raises MalformedMessage: if it does not fit."""
+        return cls._build(_decode(_WORK, data, "work message"))
 
     @classmethod
     def from_wire(cls, value: dict[str, Any]) -> Self:
         """:raises MalformedMessage: if ``value`` does not fit."""
-        _fields(value, "work message", {"id", "op", "args"}, set())
-        op = _str(value["op"], "op")
-        if op not in WORK_OPS:
-            raise MalformedMessage(f"unknown work op {op!r}")
-        args = value["args"]
-        if not isinstance(args, dict):
-            raise MalformedMessage("args must be a map")
-        return cls(_int(value["id"], "id"), op, args)
+        return cls._build(_convert(value, _Work, "work message"))
+
+    @classmethod
+    def _build(cls, work: _Work) -> Self:
+        return cls(work.id, work.op, work.args, work.traceparent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,19 +251,22 @@ class ControlMessage:
         return wire
 
     @classmethod
+    def decode(cls, data: bytes) -> Self:
+        """The message in ``data`` (msgpack). :raises MalformedMessage: if it does not fit."""
+        return cls._build(_decode(_CONTROL, data, "control message"))
+
+    @classmethod
     def from_wire(cls, value: dict[str, Any]) -> Self:
         """:raises MalformedMessage: if ``value`` does not fit."""
-        op = value.get("op")
-        if op == "cancel":
-            _fields(value, "cancel message", {"op", "id"}, set())
-            return cls("cancel", id=_int(value["id"], "id"))
-        if op == "release":
-            _fields(value, "release message", {"op", "req_id"}, set())
-            return cls("release", req_id=_str(value["req_id"], "req_id"))
-        if op == "stop":
-            _fields(value, "stop message", {"op"}, set())
-            return cls("stop")
-        raise MalformedMessage(f"unknown control op {op!r}")
+        return cls._build(_convert(value, _Control, "control message"))
+
+    @classmethod
+    def _build(cls, control: _Control) -> Self:
+        if isinstance(control, _Cancel):
+            return cls("cancel", id=control.id)
+        if isinstance(control, _Release):
+            return cls("release", req_id=control.req_id)
+        return cls("stop")
 
 
 def error_to_wire(error: EncdisaggError) -> dict[str, Any]:
@@ -193,17 +285,11 @@ def error_from_wire(value: object) -> EncdisaggError:
 
     :raises MalformedMessage: if ``value`` does not fit.
     """
-    if not isinstance(value, dict):
-        raise MalformedMessage("error must be a map")
-    _fields(value, "error", {"type", "message", "req_id"}, set())
-    cls = _ERRORS.get(cast(str, value["type"]))
-    if cls is None:
-        raise MalformedMessage(f"unknown error type {value['type']!r}")
-    message = value["message"]
-    req_id = value["req_id"]
-    if not isinstance(message, str) or not (req_id is None or isinstance(req_id, str)):
-        raise MalformedMessage("error message must be a string and req_id a string or null")
-    return cls(message, req_id=req_id)
+    return _error(_convert(value, _Error, "error"))
+
+
+def _error(error: _Error) -> EncdisaggError:
+    return _ERRORS[error.type](error.message, req_id=error.req_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,31 +322,27 @@ class ReplyMessage:
         return wire
 
     @classmethod
+    def decode(cls, data: bytes) -> Self:
+        """The message in ``data`` (msgpack). :raises MalformedMessage: if it does not fit."""
+        return cls._build(_decode(_REPLY, data, "reply message"))
+
+    @classmethod
     def from_wire(cls, value: dict[str, Any]) -> Self:
         """:raises MalformedMessage: if ``value`` does not fit."""
-        kind = value.get("kind")
-        if kind == "ready":
-            _fields(value, "ready message", {"kind", "rank", "pid"}, set())
-            return cls("ready", _int(value["rank"], "rank"), pid=_int(value["pid"], "pid"))
-        if kind == "failed":
-            _fields(value, "failed message", {"kind", "rank", "reason"}, set())
-            reason = value["reason"]
-            if not isinstance(reason, str):
-                raise MalformedMessage("reason must be a string")
-            return cls("failed", _int(value["rank"], "rank"), reason=reason[:_MAX_REASON_CHARS])
-        if kind == "result":
-            _fields(value, "result message", {"kind", "rank", "id"}, {"value", "error"})
-            if ("value" in value) == ("error" in value):
-                raise MalformedMessage("a result has either a value or an error")
-            error = error_from_wire(value["error"]) if "error" in value else None
-            return cls(
-                "result",
-                _int(value["rank"], "rank"),
-                id=_int(value["id"], "id"),
-                value=value.get("value"),
-                error=error,
-            )
-        raise MalformedMessage(f"unknown reply kind {kind!r}")
+        return cls._build(_convert(value, _Reply, "reply message"))
+
+    @classmethod
+    def _build(cls, reply: _Reply) -> Self:
+        if isinstance(reply, _Ready):
+            return cls("ready", reply.rank, pid=reply.pid)
+        if isinstance(reply, _Failed):
+            return cls("failed", reply.rank, reason=reply.reason[:_MAX_REASON_CHARS])
+        has_value = reply.value is not msgspec.UNSET
+        if has_value == isinstance(reply.error, _Error):
+            raise MalformedMessage("a result has either a value or an error")
+        if isinstance(reply.error, _Error):
+            return cls("result", reply.rank, id=reply.id, error=_error(reply.error))
+        return cls("result", reply.rank, id=reply.id, value=reply.value)
 
 
 class IpcSocket:

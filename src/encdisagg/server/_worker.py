@@ -22,6 +22,7 @@ import os
 import signal
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -30,6 +31,7 @@ import anyio
 import anyio.abc
 import zmq
 
+from .. import _tracing
 from .._config import EncoderConfig
 from .._errors import EncdisaggError, InternalError
 from ._backend import LocalBackend
@@ -39,7 +41,6 @@ from ._ipc import (
     MalformedMessage,
     ReplyMessage,
     WorkMessage,
-    unpack,
 )
 from ._logs import configure_logging
 from ._messages import (
@@ -130,7 +131,7 @@ class _Worker:
             await self._slots.acquire()
             try:
                 data = await work.receive()
-                message = WorkMessage.from_wire(unpack(data))
+                message = WorkMessage.decode(data)
             except MalformedMessage as exc:
                 self._slots.release()
                 _log.warning("worker %s dropped a malformed call: %s", self.rank, exc)
@@ -173,7 +174,8 @@ class _Worker:
         try:
             with scope:
                 try:
-                    value = await self._execute(message)
+                    with _call_span(message):
+                        value = await self._execute(message)
                 except EncdisaggError as exc:
                     reply = ReplyMessage("result", self.rank, id=message.id, error=exc)
                 except Exception as exc:
@@ -240,7 +242,7 @@ class _Worker:
         while True:
             data = await control.receive()
             try:
-                message = ControlMessage.from_wire(unpack(data))
+                message = ControlMessage.decode(data)
             except MalformedMessage as exc:
                 _log.warning("worker %s dropped a malformed control message: %s", self.rank, exc)
                 continue
@@ -347,3 +349,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _call_span(message: WorkMessage) -> AbstractContextManager[object]:
+    """A span for one call, current while it runs, continuing the front's trace; a no-op for
+    an untraced call or when nobody traces in this worker."""
+    if message.traceparent is None:
+        return _tracing.span(None, "encdisagg.worker")
+    trace = _tracing.from_traceparent(message.traceparent)
+    return _tracing.span(trace, f"encdisagg.worker {message.op}", {"encdisagg.op": message.op})
