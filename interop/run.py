@@ -30,6 +30,12 @@ PEER = ROOT.parent / "shared" / "peer"
 DEFAULT_PEER_VENV = Path.home() / ".cache" / "encdisagg-peer-venv020"
 TRANSFERS = ("zmq", "mooncake")
 WORKER_CLASSES = ("asyncio", "trio")
+#: Transport -> (extra ``serve`` flags, the line prefix its URL is announced with). A
+#: transport added here gets its URL into the client's ``--servers`` map, for its rows of
+#: ``sglang_client.CHECKS``.
+TRANSPORTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "http": ((), "encdisagg serving on "),
+}
 
 
 def peer_python() -> Path:
@@ -40,9 +46,10 @@ def peer_python() -> Path:
     return python
 
 
-def start_server(stack: ExitStack, transfer: str, worker_class: str, logs: Path) -> str:
-    """Start ``encdisagg serve --wire sglang``; its URL once it announced it."""
+def start_server(stack: ExitStack, transfer: str, worker_class: str, logs: Path) -> dict[str, str]:
+    """Start ``encdisagg serve --wire sglang``; its URL per transport once it announced them."""
     log = stack.enter_context((logs / f"serve-{transfer}-{worker_class}.log").open("w"))
+    flags = [flag for extra, _ in TRANSPORTS.values() for flag in extra]
     process = subprocess.Popen(
         [
             sys.executable,
@@ -59,6 +66,7 @@ def start_server(stack: ExitStack, transfer: str, worker_class: str, logs: Path)
             worker_class,
             "--log-level",
             "warning",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=log,
@@ -67,9 +75,13 @@ def start_server(stack: ExitStack, transfer: str, worker_class: str, logs: Path)
     )
     stack.callback(_stop, process)
     assert process.stdout is not None
+    urls: dict[str, str] = {}
     for line in process.stdout:
-        if line.startswith("encdisagg serving on "):
-            return line.removeprefix("encdisagg serving on ").strip()
+        for transport, (_, prefix) in TRANSPORTS.items():
+            if line.startswith(prefix):
+                urls[transport] = line.removeprefix(prefix).strip()
+        if len(urls) == len(TRANSPORTS):
+            return urls
     sys.exit(f"serve ({transfer}, {worker_class}) exited: see {log.name}")
 
 
@@ -155,8 +167,8 @@ def main() -> int:
         servers: dict[str, dict[str, dict[str, str]]] = {}
         for transfer in TRANSFERS:
             for worker_class in WORKER_CLASSES:
-                url = start_server(stack, transfer, worker_class, folder)
-                servers.setdefault(transfer, {})[worker_class] = {"http": url}
+                urls = start_server(stack, transfer, worker_class, folder)
+                servers.setdefault(transfer, {})[worker_class] = urls
         write_inputs(folder)
         for by_class in servers.values():
             for transports in by_class.values():
