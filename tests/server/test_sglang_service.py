@@ -72,3 +72,29 @@ async def test_a_cancelled_encode_waiting_for_ranks_releases_its_part() -> None:
             group.cancel_scope.cancel()
         assert encoder.stats().live_requests == 0
         assert encoder.stats().staged_bytes == 0
+
+
+async def test_a_rank_that_is_gone_fails_the_part_and_only_the_others_hear_of_it() -> None:
+    with pull_sockets(2) as [alive, gone]:
+        gone.close()  # a rank that failed earlier closed its socket
+        async with (
+            Encoder(fast_config(zmq_send_timeout_s=0.5)) as encoder,
+            SglangService(encoder) as sglang,
+        ):
+            for rank in (alive, gone):
+                await sglang.scheduler_receive_url(
+                    {
+                        "req_id": "half_local_part_0",
+                        "receive_count": 2,
+                        "receive_url": rank.host_port,
+                    }
+                )
+            with pytest.raises(TransferError, match="nobody took the message"):
+                await sglang.encode(sglang_encode_body("half"))
+            assert encoder.stats().live_requests == 0
+            data, data_frames = await alive.receive()
+            error, error_frames = await alive.receive()
+    assert len(data_frames) == 2
+    assert data["error_msg"] is None
+    assert len(error_frames) == 1
+    assert error["error_code"] == 502

@@ -40,23 +40,20 @@ from .._errors import (
     BadRequestError,
     EncdisaggError,
     InternalError,
-    NotFoundError,
-    RequestNotActiveError,
     RequestTimeoutError,
-    ServiceUnavailableError,
     TransferError,
 )
 from .._modality import Modality
 from ..encoder import Encoder, EncodeResult, ZmqDestination
-from ..nurseries import collapse_single_error
-from ..transfer import ReceivedPart, ZmqReceiver, payload_view
+from ..transfer import ReceivedPart, payload_view
 from ..transfer._sglang_frames import SglangPart, sglang_header
 from ..transfer._sglang_push import SglangPusher
 from ._access import PeerAllowList
 from ._backend import Backend, LocalBackend
-from ._messages import MetadataBody, ReceiveUrlBody, SendBody
+from ._messages import MetadataBody, ReceiveUrlBody
 from ._sglang_bodies import SglangEncodeBody, SglangSendBody, metadata_answer
 from ._sglang_destinations import PushDestinations
+from ._sglang_relay import relay_staged
 
 __all__ = ["SglangService"]
 
@@ -64,6 +61,17 @@ _log = logging.getLogger("encdisagg.server.sglang")
 
 #: Mooncake parts remembered between their ``/encode`` and their last ``/send``.
 _MAX_PARTS: Final = 65536
+#: Bound on pushing an error part: a live receiver takes it at once; one that is gone
+#: (it closed its socket on an earlier failure) should not hold the failing call long.
+_ERROR_PUSH_TIMEOUT_S: Final = 5.0
+
+
+class _Unreachable(TransferError):
+    """Pushes to ``urls`` failed: nobody takes messages there any more."""
+
+    def __init__(self, message: str, *, req_id: str, urls: frozenset[str]) -> None:
+        super().__init__(message, req_id=req_id)
+        self.urls = urls
 
 
 @dataclass(eq=False)
@@ -315,45 +323,10 @@ class SglangService(anyio.AsyncContextManagerMixin):
         parts.move_to_end(req_id)
 
     async def _relay(self, req_id: str) -> ReceivedPart:
-        """The staged part's bytes, pushed by the Encoder to a loopback socket of ours.
-
-        The Encoder counts the loopback socket as the part's one destination and releases
-        the part once its push is done.
-        """
-        found: list[ReceivedPart] = []
-        arrived = anyio.Event()
-        async with ZmqReceiver(self._relay_bind, max_payload_bytes=None) as relay:
-            destination = ZmqDestination(relay.url)
-
-            async def take() -> None:
-                while True:
-                    try:
-                        received = await relay.receive()
-                    except BadRequestError as exc:
-                        _log.warning("dropped a malformed relay message: %s", exc)
-                        continue
-                    if received.header.req_id == req_id:
-                        found.append(received)
-                        arrived.set()
-                        return
-
-            with collapse_single_error():
-                async with anyio.create_task_group() as group:
-                    group.start_soon(take)
-                    with anyio.move_on_after(self._config.zmq_send_timeout_s):
-                        await self._backend.send(SendBody(req_id, destination, 1))
-                        await arrived.wait()
-                    group.cancel_scope.cancel()
-        if not found:
-            raise TransferError(
-                f"req_id {req_id!r}: the staged embedding did not reach the relay within "
-                f"{self._config.zmq_send_timeout_s} s",
-                req_id=req_id,
-            )
-        part = found[0]
-        if part.header.error is not None:
-            raise _error_of_status(part.header.status, part.header.error, req_id)
-        return part
+        """The staged part's bytes, by way of the Encoder's own push (see ``_sglang_relay``)."""
+        return await relay_staged(
+            self._backend, req_id, bind=self._relay_bind, timeout_s=self._config.zmq_send_timeout_s
+        )
 
     async def _push_all(
         self,
@@ -370,23 +343,23 @@ class SglangService(anyio.AsyncContextManagerMixin):
         assert received.tensor is not None
         payload = payload_view(received.tensor)
         what = f"SGLang push of req_id {request.req_id!r}"
-        failures: list[TransferError] = []
+        failures: dict[str, TransferError] = {}
 
         async def push(url: str) -> None:
             try:
                 await self._pusher.push(url, [header, payload], what=f"{what} to {url}")
             except TransferError as exc:
-                failures.append(exc)
+                failures[url] = exc
 
         async with anyio.create_task_group() as group:
             for url in urls:
                 group.start_soon(push, url)
         if failures:
-            # The first failure speaks for all; the others were logged beside it.
-            for other in failures[1:]:
+            # The first failure speaks for all; the others are logged beside it.
+            first, *others = failures.values()
+            for other in others:
                 _log.warning("%s", other)
-            failures[0].req_id = request.req_id
-            raise failures[0]
+            raise _Unreachable(first.message, req_id=request.req_id, urls=frozenset(failures))
 
     async def _fail_part(self, message: SglangEncodeBody, exc: EncdisaggError) -> None:
         """Push ``exc`` as an error part to every destination known (and, in scheduler
@@ -397,6 +370,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
             urls = list(message.push_urls)
         else:
             urls = self._destinations.finish(request.req_id, (exc.message, status))
+        if isinstance(exc, _Unreachable):
+            urls = [url for url in urls if url not in exc.urls]
         with anyio.CancelScope(shield=True):
             await self._push_errors(request.req_id, urls, exc.message, status, message)
 
@@ -427,7 +402,12 @@ class SglangService(anyio.AsyncContextManagerMixin):
 
         async def push(url: str) -> None:
             try:
-                await self._pusher.push(url, [header], what=f"error part of {req_id!r}")
+                await self._pusher.push(
+                    url,
+                    [header],
+                    what=f"error part of {req_id!r}",
+                    timeout_s=min(_ERROR_PUSH_TIMEOUT_S, self._config.zmq_send_timeout_s),
+                )
             except TransferError as exc:
                 _log.warning("could not push the error part of %s to %s: %s", req_id, url, exc)
 
@@ -460,21 +440,3 @@ class SglangService(anyio.AsyncContextManagerMixin):
                 await self._backend.release(req_id)
         except EncdisaggError as exc:
             _log.warning("releasing %s failed: %s", req_id, exc)
-
-
-_ERRORS_BY_STATUS: Final[dict[int, type[EncdisaggError]]] = {
-    error.status: error
-    for error in (
-        BadRequestError,
-        NotFoundError,
-        RequestNotActiveError,
-        RequestTimeoutError,
-        TransferError,
-        ServiceUnavailableError,
-    )
-}
-
-
-def _error_of_status(status: int | None, message: str, req_id: str) -> EncdisaggError:
-    """The error of our hierarchy an error part's status names."""
-    return _ERRORS_BY_STATUS.get(status or 500, InternalError)(message, req_id=req_id)

@@ -53,15 +53,23 @@ class SglangPusher(anyio.AsyncContextManagerMixin):
                 # term() waits for lingering messages (each bounded by its linger).
                 await run_thread_to_completion(context.term)
 
-    async def push(self, url: str, frames: Sequence[bytes | memoryview], *, what: str) -> None:
+    async def push(
+        self,
+        url: str,
+        frames: Sequence[bytes | memoryview],
+        *,
+        what: str,
+        timeout_s: float | None = None,
+    ) -> None:
         """Queue ``frames`` as one message to ``url``; return once ZMQ holds a copy.
 
-        A checkpoint. Cancelled, nothing was queued (or the whole message was: ZMQ queues
-        a message in one step). ZMQ has no acknowledgments: the receiver's own timeout is
-        what notices a message lost in flight.
+        A checkpoint, bounded by ``timeout_s`` (default: ``send_timeout_s``). Cancelled,
+        nothing was queued (or the whole message was: ZMQ queues a message in one step).
+        ZMQ has no acknowledgments: the receiver's own timeout is what notices a message
+        lost in flight.
 
-        :raises TransferError: the push pool is closed, the endpoint cannot be connected,
-            or no connection completed within ``send_timeout_s``.
+        :raises TransferError: the pusher is closed, the endpoint cannot be connected,
+            or no connection completed within the bound.
         """
         context = self._context
         if context is None:
@@ -71,11 +79,12 @@ class SglangPusher(anyio.AsyncContextManagerMixin):
         except zmq.ZMQError as exc:
             raise TransferError(f"{what}: cannot open a socket: {exc}") from exc
         linger = 0
+        bound = self._send_timeout_s if timeout_s is None else timeout_s
         try:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.connect(url)
             fd = cast(int, sock.getsockopt(zmq.FD))
-            with anyio.fail_after(self._send_timeout_s):
+            with anyio.fail_after(bound):
                 while True:
                     await wait_events(sock, fd, zmq.POLLOUT)
                     try:
@@ -85,9 +94,7 @@ class SglangPusher(anyio.AsyncContextManagerMixin):
                     break
             linger = _LINGER_MS
         except TimeoutError:
-            raise TransferError(
-                f"{what}: nobody took the message within {self._send_timeout_s} s"
-            ) from None
+            raise TransferError(f"{what}: nobody took the message within {bound} s") from None
         except zmq.ZMQError as exc:
             raise TransferError(f"{what} failed: {exc}") from exc
         finally:

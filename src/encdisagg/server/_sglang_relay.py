@@ -1,0 +1,102 @@
+"""How the SGLang wire gets a staged part's bytes: the Encoder's own push, to a loopback
+socket bound for that one part.
+
+The Encoder (or a data-parallel worker) counts the loopback socket as the part's one
+destination, pushes ``[our header, bytes]`` there as to any receiver, and releases the part
+once ZMQ let go of it; the SGLang wire then re-frames the bytes with SGLang's header. The
+same path serves one Encoder and data-parallel workers alike, and the Encoder's staged-memory
+ownership is untouched: the part is freed by its own scope, after its push.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+import anyio
+
+from .._errors import (
+    BadRequestError,
+    EncdisaggError,
+    InternalError,
+    NotFoundError,
+    RequestNotActiveError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+    TransferError,
+)
+from ..encoder import ZmqDestination
+from ..nurseries import collapse_single_error
+from ..transfer import ReceivedPart, ZmqReceiver
+from ._backend import Backend
+from ._messages import SendBody
+
+__all__ = ["relay_staged"]
+
+_log = logging.getLogger("encdisagg.server.sglang")
+
+
+async def relay_staged(
+    backend: Backend, req_id: str, *, bind: str, timeout_s: float
+) -> ReceivedPart:
+    """The bytes of the staged part ``req_id`` (a tensor over the received frame).
+
+    A checkpoint, bounded by ``timeout_s``. Binds a PULL socket on ``bind`` (a loopback
+    address, port 0), asks ``backend`` to send the part there, and takes the message of that
+    part; messages for other ids (none are expected) are dropped. Cancelled, the send is
+    cancelled as the Encoder cancels any send: once its transfer stopped touching memory.
+
+    :raises TransferError: nothing arrived in time.
+    :raises EncdisaggError: the backend's send failed, or the Encoder pushed an error part.
+    """
+    found: list[ReceivedPart] = []
+    arrived = anyio.Event()
+    async with ZmqReceiver(bind, max_payload_bytes=None) as relay:
+        destination = ZmqDestination(relay.url)
+
+        async def take() -> None:
+            while True:
+                try:
+                    received = await relay.receive()
+                except BadRequestError as exc:
+                    _log.warning("dropped a malformed relay message: %s", exc)
+                    continue
+                if received.header.req_id == req_id:
+                    found.append(received)
+                    arrived.set()
+                    return
+
+        with collapse_single_error():
+            async with anyio.create_task_group() as group:
+                group.start_soon(take)
+                with anyio.move_on_after(timeout_s):
+                    await backend.send(SendBody(req_id, destination, 1))
+                    await arrived.wait()
+                group.cancel_scope.cancel()
+    if not found:
+        raise TransferError(
+            f"req_id {req_id!r}: the staged embedding did not reach the relay within {timeout_s} s",
+            req_id=req_id,
+        )
+    part = found[0]
+    if part.header.error is not None:
+        raise _error_of_status(part.header.status, part.header.error, req_id)
+    return part
+
+
+_ERRORS_BY_STATUS: Final[dict[int, type[EncdisaggError]]] = {
+    error.status: error
+    for error in (
+        BadRequestError,
+        NotFoundError,
+        RequestNotActiveError,
+        RequestTimeoutError,
+        TransferError,
+        ServiceUnavailableError,
+    )
+}
+
+
+def _error_of_status(status: int | None, message: str, req_id: str) -> EncdisaggError:
+    """The error of our hierarchy an error part's status names."""
+    return _ERRORS_BY_STATUS.get(status or 500, InternalError)(message, req_id=req_id)
