@@ -29,7 +29,12 @@ PEER = ROOT.parent / "shared" / "peer"
 #: Where build_venv020.sh puts the venv when given no folder.
 DEFAULT_PEER_VENV = Path.home() / ".cache" / "encdisagg-peer-venv020"
 TRANSFERS = ("zmq", "mooncake")
-WORKER_CLASSES = ("asyncio", "trio")
+#: The servers of each transfer: a label (a column of the matrix) and its ``serve`` flags.
+WORKER_CLASSES: dict[str, tuple[str, ...]] = {
+    "asyncio": ("--worker-class", "asyncio"),
+    "trio": ("--worker-class", "trio"),
+    "asyncio dp=2": ("--worker-class", "asyncio", "--dp", "2"),
+}
 #: Transport -> (extra ``serve`` flags, the line prefix its URL is announced with). A
 #: transport added here gets its URL into the client's ``--servers`` map, for its rows of
 #: ``sglang_client.CHECKS``.
@@ -48,7 +53,8 @@ def peer_python() -> Path:
 
 def start_server(stack: ExitStack, transfer: str, worker_class: str, logs: Path) -> dict[str, str]:
     """Start ``encdisagg serve --wire sglang``; its URL per transport once it announced them."""
-    log = stack.enter_context((logs / f"serve-{transfer}-{worker_class}.log").open("w"))
+    name = worker_class.replace(" ", "-").replace("=", "")
+    log = stack.enter_context((logs / f"serve-{transfer}-{name}.log").open("w"))
     flags = [flag for extra, _ in TRANSPORTS.values() for flag in extra]
     process = subprocess.Popen(
         [
@@ -62,8 +68,7 @@ def start_server(stack: ExitStack, transfer: str, worker_class: str, logs: Path)
             "0",
             "--transfer",
             transfer,
-            "--worker-class",
-            worker_class,
+            *WORKER_CLASSES[worker_class],
             "--log-level",
             "warning",
             *flags,
@@ -192,10 +197,10 @@ def main() -> int:
             timeout=1200,
         )
     rows = [json.loads(line) for line in client.stdout.splitlines() if line.startswith("{")]
-    print(f"{'mode':<18} {'worker class':<13} {'transport':<10} outcome")
+    print(f"{'mode':<18} {'worker class':<14} {'transport':<10} outcome")
     for row in rows:
         print(
-            f"{row['mode']:<18} {row['worker_class']:<13} {row['transport']:<10} "
+            f"{row['mode']:<18} {row['worker_class']:<14} {row['transport']:<10} "
             f"{row['outcome']}: {row['detail']}"
         )
     if not rows:

@@ -334,7 +334,8 @@ async def main() -> int:
     inputs = _inputs(args.inputs)
     servers: dict[str, dict[str, dict[str, str]]] = json.loads(args.servers)
     failed = 0
-    for worker_class in ("asyncio", "trio"):
+    classes = list(dict.fromkeys(name for by_class in servers.values() for name in by_class))
+    for worker_class in classes:
         for mode, transport, check in CHECKS:
             transfer = "mooncake" if mode == "mooncake" else "zmq"
             url = servers.get(transfer, {}).get(worker_class, {}).get(transport)
