@@ -20,7 +20,7 @@ from ._jobs import Job
 from ._regions import RegionOwner
 from ._staged import Staged
 from ._table import Phase, RequestRecord
-from ._types import MooncakeDestination
+from ._types import Destination, MooncakeDestination
 
 __all__ = ["Delivery"]
 
@@ -40,6 +40,13 @@ class Delivery:
         self._regions = regions
         self._zmq = zmq
         self._layout = layout
+
+    async def deliver(self, job: Job, destination: Destination) -> None:
+        """Write into a Mooncake destination, or push to a ZMQ one."""
+        if isinstance(destination, MooncakeDestination):
+            await self.write(job, destination)
+        else:
+            await self.push(job, destination.url)
 
     async def write(self, job: Job, destination: MooncakeDestination) -> None:
         """Write the staged embedding into ``destination``'s registered buffer."""

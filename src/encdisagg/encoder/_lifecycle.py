@@ -44,7 +44,7 @@ from ._regions import RegionOwner
 from ._staged import Handover
 from ._table import Phase, RequestRecord, RequestTable
 from ._traced import ENCODE_SPAN, STAGE_SPAN, encode_attributes, transfer_span
-from ._types import Destination, EncodeRequest, EncodeResult, MooncakeDestination, ZmqDestination
+from ._types import Destination, EncodeRequest, EncodeResult, ZmqDestination
 
 __all__ = ["RequestLifecycle"]
 
@@ -249,15 +249,11 @@ class RequestLifecycle:
             _fail_layout(rows, metadata)
         if rows.requires_grad:
             rows = rows.detach()
-        with _tracing.span(trace, STAGE_SPAN):
-            staged = self._regions.stage(record.req_id, rows, copy=from_cache)
-            record.staged = staged
-            if staged.is_cuda:
-                # The forward and the copy into the arena may still be queued on the device:
-                # no transfer may read the memory before they finished.
-                await self._regions.device_finished(staged)
-            if not staged.transferable:
-                await self._regions.register_own(record.req_id, staged)
+        if trace is None:
+            await self._stage(record, rows, from_cache)
+        else:
+            with trace.span(STAGE_SPAN):
+                await self._stage(record, rows, from_cache)
         record.phase = Phase.STAGED
         record.deadline = self._now() + self.config.send_timeout_s
         self.deadlines.add(record)
@@ -265,6 +261,16 @@ class RequestLifecycle:
         for url in record.push_urls:
             self._start_push(record, url)
         return metadata
+
+    async def _stage(self, record: RequestRecord, rows: torch.Tensor, from_cache: bool) -> None:
+        staged = self._regions.stage(record.req_id, rows, copy=from_cache)
+        record.staged = staged
+        if staged.is_cuda:
+            # The forward and the copy into the arena may still be queued on the device:
+            # no transfer may read the memory before they finished.
+            await self._regions.device_finished(staged)
+        if not staged.transferable:
+            await self._regions.register_own(record.req_id, staged)
 
     # -- send and push ------------------------------------------------------------------------
 
@@ -306,11 +312,11 @@ class RequestLifecycle:
         start = self._now() if self._events.on_phase is not None else 0.0
         self.inflight += 1
         try:
-            with transfer_span(record.trace, destination):
-                if isinstance(destination, MooncakeDestination):
-                    await self._delivery.write(job, destination)
-                else:
-                    await self._delivery.push(job, destination.url)
+            if record.trace is None:
+                await self._delivery.deliver(job, destination)
+            else:
+                with transfer_span(record.trace, destination):
+                    await self._delivery.deliver(job, destination)
         finally:
             self.inflight -= 1
         if self._events.on_phase is not None:

@@ -47,12 +47,9 @@ def encode_attributes(request: EncodeRequest) -> dict[str, Any]:
 
 
 def transfer_span(
-    encode_trace: _tracing.Trace | None, destination: Destination
-) -> AbstractContextManager[_tracing.Trace | None]:
-    """The span of one send or push of a request whose encode span is ``encode_trace``
-    (a no-op for an untraced request)."""
-    if encode_trace is None:
-        return _tracing.span(None, TRANSFER_SPAN)
+    encode_trace: _tracing.Trace, destination: Destination
+) -> AbstractContextManager[_tracing.Trace]:
+    """The span of one send or push of a request whose encode span is ``encode_trace``."""
     # A /send that came with its own trace continues that one; a push (or a send without
     # a trace) continues the encode's.
     trace = _tracing.current()
