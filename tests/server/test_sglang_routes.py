@@ -354,3 +354,12 @@ async def test_the_default_wire_keeps_our_bodies(make_app: Callable[..., Quart])
         response = await client.post("/encode", json=sglang_encode_body("ours", embedding_port=1))
         assert response.status_code == 400
         assert (await client.get("/health_generate")).status_code == 404
+
+
+async def test_health_generate_is_logged_by_its_name(
+    make_app: Callable[..., Quart], caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running(make_app(wire="sglang")) as client:
+        with caplog.at_level("INFO", logger="encdisagg.server.access"):
+            assert (await client.get("/health_generate")).status_code == 200
+    assert any("/health_generate" in record.getMessage() for record in caplog.records)

@@ -431,6 +431,8 @@ def mount_encoder(
     app.extensions[_EXTENSION] = service
     prefix = (url_prefix or "").rstrip("/")
     paths = [*routes, "/health", "/health/live", "/health/ready", "/metrics"]
+    if service.settings.wire == "sglang":
+        paths.append("/health_generate")
     app.asgi_app = AccessLog(  # type: ignore[method-assign,assignment]
         ServiceLifespan(app.asgi_app, service),
         routes=[prefix + path for path in paths],
