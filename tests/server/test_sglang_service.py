@@ -98,3 +98,53 @@ async def test_a_rank_that_is_gone_fails_the_part_and_only_the_others_hear_of_it
     assert data["error_msg"] is None
     assert len(error_frames) == 1
     assert error["error_code"] == 502
+
+
+def _gif_data_url(frames: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    images = [Image.new("RGB", (84, 56), (40 * n % 256, 90, 160)) for n in range(frames)]
+    buffer = io.BytesIO()
+    images[0].save(buffer, "GIF", save_all=True, append_images=images[1:], duration=250)
+    return "data:image/gif;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize(
+    ("model", "field"),
+    [
+        ("tiny-qwen3-vl", "video_timestamps"),
+        ("tiny-qwen2.5-vl", "second_per_grid_ts"),
+        ("tiny", None),
+    ],
+)
+async def test_a_video_part_carries_the_timing_field_its_model_reads(
+    model: str, field: str | None
+) -> None:
+    from ..transfer._sglang_unpickle import StandInModality, StandInTensor
+
+    with pull_sockets(1) as [tokenizer]:
+        async with (
+            Encoder(fast_config(model=model)) as encoder,
+            SglangService(encoder) as sglang,
+        ):
+            body = sglang_encode_body(
+                "clip", embedding_port=tokenizer.port, items=[_gif_data_url(4)], modality="VIDEO"
+            )
+            assert await sglang.encode(body) is None
+            header, _frames = await tokenizer.receive()
+    assert header["modality"] == StandInModality(2)
+    (steps, _h, _w) = header["grid_dim"].rows[0]
+    others = {"video_timestamps", "second_per_grid_ts"} - {field}
+    for other in others:
+        assert header[other] is None
+    if field == "video_timestamps":
+        (stamps,) = header[field]
+        assert len(stamps) == steps
+        assert stamps == sorted(stamps)
+    elif field == "second_per_grid_ts":
+        assert isinstance(header[field], StandInTensor)
+        (seconds,) = header[field].rows
+        assert seconds > 0

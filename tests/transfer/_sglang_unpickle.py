@@ -28,7 +28,7 @@ class StandInDtype:
 
 @dataclass(frozen=True)
 class StandInTensor:
-    rows: list[list[int]]
+    rows: list[Any]
 
 
 _DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})

@@ -131,3 +131,18 @@ def test_a_refusing_unpickler_refuses_it() -> None:
 def test_invalid_parts_are_refused(changes: dict[str, object], match: str) -> None:
     with pytest.raises(BadRequestError, match=match):
         _ok(**changes)
+
+
+def test_video_timing_rides_in_sglang_s_aux_fields() -> None:
+    part = _ok(
+        modality=Modality.VIDEO,
+        grid=((2, 4, 4), (3, 4, 4)),
+        video_timestamps=((0.25, 1.25), (0.5, 1.5, 2.5)),
+        second_per_grid_ts=(1.0, 0.5),
+    )
+    state = read_header(sglang_header(part))
+    assert state["modality"] == StandInModality(2)
+    assert state["video_timestamps"] == [[0.25, 1.25], [0.5, 1.5, 2.5]]
+    assert state["second_per_grid_ts"] == StandInTensor([1.0, 0.5])
+    with pytest.raises(BadRequestError, match="finite"):
+        _ok(second_per_grid_ts=(float("inf"),))

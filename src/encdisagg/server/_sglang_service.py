@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import anyio
+import anyio.to_thread
 
 from .._config import EncoderConfig
 from .._errors import (
@@ -44,6 +45,7 @@ from .._errors import (
     TransferError,
 )
 from .._modality import Modality
+from .._video_timing import VideoTiming
 from ..encoder import Encoder, EncodeResult, ZmqDestination
 from ..transfer import ReceivedPart, payload_view
 from ..transfer._sglang_frames import SglangPart, sglang_header
@@ -54,6 +56,7 @@ from ._messages import MetadataBody, ReceiveUrlBody
 from ._sglang_bodies import SglangEncodeBody, SglangSendBody, metadata_answer
 from ._sglang_destinations import PushDestinations
 from ._sglang_relay import relay_staged
+from ._sglang_video import VideoFields, model_type_of, video_aux, video_fields
 
 __all__ = ["SglangService"]
 
@@ -126,6 +129,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
             ttl_s=config.request_timeout_s + config.send_timeout_s
         )
         self._mooncake_parts: OrderedDict[str, _MooncakePart] = OrderedDict()
+        #: Which of SGLang's video fields the model's parts fill (known once open).
+        self._video_fields: VideoFields | None = None
 
     @property
     def mooncake(self) -> bool:
@@ -135,6 +140,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[SglangService]:
+        model_type = await anyio.to_thread.run_sync(model_type_of, self._config.model)
+        self._video_fields = video_fields(model_type)
         async with self._pusher:
             self._open = True
             try:
@@ -337,7 +344,12 @@ class SglangService(anyio.AsyncContextManagerMixin):
     ) -> None:
         request = message.encode
         part = self._part(
-            request.req_id, request.num_parts, request.part_idx, message.modality, result
+            request.req_id,
+            request.num_parts,
+            request.part_idx,
+            message.modality,
+            result,
+            received.header.video_timing,
         )
         header = sglang_header(part)
         assert received.tensor is not None
@@ -415,14 +427,16 @@ class SglangService(anyio.AsyncContextManagerMixin):
             for url in urls:
                 group.start_soon(push, url)
 
-    @staticmethod
     def _part(
+        self,
         req_id: str,
         num_parts: int,
         part_idx: int | None,
         modality: Modality,
         result: EncodeResult,
+        timing: tuple[VideoTiming, ...] | None = None,
     ) -> SglangPart:
+        timestamps, seconds = video_aux(self._video_fields, timing or result.video_timing)
         return SglangPart(
             req_id=req_id,
             num_parts=num_parts,
@@ -432,6 +446,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
             grid=result.grid,
             shape=(result.num_tokens, result.hidden_size),
             dtype=result.dtype,
+            video_timestamps=timestamps,
+            second_per_grid_ts=seconds,
         )
 
     async def _release(self, req_id: str) -> None:

@@ -79,6 +79,12 @@ class SglangPart:
     dtype: str | None = None
     error_msg: str | None = None
     error_code: int | None = None
+    #: Qwen3-VL's per-video timestamps (seconds of each temporal grid step), one tuple per
+    #: video item of the part; ``None`` for other models and modalities.
+    video_timestamps: tuple[tuple[float, ...], ...] | None = None
+    #: Qwen2.5-VL's seconds per temporal grid step, one per video item (sent as a float32
+    #: tensor, as SGLang's encoder does); ``None`` for other models and modalities.
+    second_per_grid_ts: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.error_msg is None:
@@ -94,6 +100,9 @@ class SglangPart:
             raise BadRequestError(f"error_code must be an HTTP status; got {self.error_code!r}")
         if not math.isfinite(self.send_time):
             raise BadRequestError("send_time must be a finite number")
+        times = [t for video in self.video_timestamps or () for t in video]
+        if not all(math.isfinite(t) for t in [*times, *(self.second_per_grid_ts or ())]):
+            raise BadRequestError("video timing values must be finite numbers")
 
 
 def sglang_header(part: SglangPart) -> bytes:
@@ -119,7 +128,20 @@ def sglang_header(part: SglangPart) -> bytes:
     ]
     if part.error_msg is None:
         # The video fields SGLang's encoder attaches to every successful part.
-        state += [("video_timestamps", _NONE), ("second_per_grid_ts", _NONE)]
+        timestamps = part.video_timestamps
+        seconds = part.second_per_grid_ts
+        state += [
+            (
+                "video_timestamps",
+                _NONE
+                if timestamps is None
+                else _list([_list([_float(t) for t in video]) for video in timestamps]),
+            ),
+            (
+                "second_per_grid_ts",
+                _NONE if seconds is None else _tensor(_list([_float(t) for t in seconds])),
+            ),
+        ]
     body = b"".join(_text(key) + value for key, value in state)
     return b"".join(
         [
@@ -183,4 +205,9 @@ def _grid(rows: tuple[tuple[int, ...], ...]) -> bytes:
     widths = {len(row) for row in rows}
     if len(widths) != 1 or 0 in widths:
         return nested
-    return _global("torch", "tensor") + nested + _TUPLE1 + _REDUCE
+    return _tensor(nested)
+
+
+def _tensor(values: bytes) -> bytes:
+    """``torch.tensor(values)``: int64 for integers, float32 (torch's default) for floats."""
+    return _global("torch", "tensor") + values + _TUPLE1 + _REDUCE
