@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import anyio.from_thread
@@ -28,6 +29,10 @@ import anyio.to_thread
 
 from ..nurseries import collapse_single_error
 from ._access import ApiKey
+
+if TYPE_CHECKING:
+    # Imports grpc: only once the grpc extra is known to be installed.
+    from ._grpc_service import SglangCalls
 
 __all__ = ["GRPC_EXTRA_HINT", "GrpcServer", "grpc_missing"]
 
@@ -165,11 +170,16 @@ class _Bridge:
         loop = asyncio.get_running_loop()
         finished = asyncio.Event()
 
+        def wake() -> None:
+            # RuntimeError: the gRPC loop has closed already, so nobody waits any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(finished.set)
+
         async def tracked() -> object:
             try:
                 return await call(body)
             finally:
-                loop.call_soon_threadsafe(finished.set)
+                wake()
 
         try:
             future = self._portal.start_task_soon(tracked)
@@ -203,7 +213,7 @@ class GrpcServer(anyio.AsyncContextManagerMixin):
 
     def __init__(
         self,
-        calls: object,
+        calls: SglangCalls,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -233,10 +243,9 @@ class GrpcServer(anyio.AsyncContextManagerMixin):
         from grpc_reflection.v1alpha import reflection
         from smg_grpc_proto.generated import sglang_encoder_pb2_grpc
 
-        from ._grpc_service import SERVICE_NAME, SglangCalls, SglangEncoderServicer
+        from ._grpc_service import SERVICE_NAME, SglangEncoderServicer
 
-        calls: SglangCalls = self._calls  # type: ignore[assignment]
-        servicer = SglangEncoderServicer(calls, _Bridge(portal), self._api_key)
+        servicer = SglangEncoderServicer(self._calls, _Bridge(portal), self._api_key)
         health = _Health(self._ready, ("", SERVICE_NAME))
 
         def build(server: Any) -> None:

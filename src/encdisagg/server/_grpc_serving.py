@@ -28,6 +28,7 @@ from ._probes import readiness_problem
 
 if TYPE_CHECKING:
     from ._app import EncoderService
+    from ._grpc_service import SglangCalls
 
 __all__ = ["grpc_beside", "grpc_url"]
 
@@ -47,7 +48,7 @@ def grpc_url(service: EncoderService) -> str | None:
 
 @asynccontextmanager
 async def grpc_beside(
-    service: EncoderService, backend: Backend, sglang: object | None = None
+    service: EncoderService, backend: Backend, sglang: SglangCalls | None = None
 ) -> AsyncGenerator[GrpcServer | None]:
     """Serve SGLang's gRPC encoder service beside ``service``'s routes while entered.
 
