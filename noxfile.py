@@ -91,5 +91,6 @@ def interop(session: nox.Session) -> None:
         session.error(f"no build_venv020.sh in ../shared/peer (looked for {build})")
     peer_venv = os.environ.get("ENCDISAGG_PEER_VENV")
     session.run("bash", str(build), *([peer_venv] if peer_venv else []), external=True)
-    install_project(session, "mooncake-cpu")
+    # grpc: the servers' --grpc-port, and the versions run.py gives SGLang's gRPC client.
+    install_project(session, "mooncake-cpu", "grpc")
     session.run("python", "interop/run.py", *session.posargs, env={"HF_HUB_OFFLINE": "1"})

@@ -161,6 +161,31 @@ def _png(width: int, height: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+# --- gRPC: the SglangEncoder service of ``serve --grpc-port`` ------------------------------
+
+#: SGLang's gRPC receiver imports grpcio and smg-grpc-proto, but its venv is built without
+#: its dependencies (``--no-deps``). They go into a folder beside the venv, at the versions of
+#: our own ``grpc`` extra, onto the client's path only; the venv stays as built.
+GRPC_PACKAGES = ("grpcio", "protobuf", "smg-grpc-proto")
+TRANSPORTS["grpc"] = (("--grpc-port", "0"), "encdisagg gRPC serving on ")
+
+
+def grpc_packages(python: Path) -> str:
+    """The folder holding :data:`GRPC_PACKAGES` for the venv of ``python`` (installed with
+    its pip on first use, or when our versions changed)."""
+    from importlib.metadata import version
+
+    venv = python.parent.parent
+    folder = venv.with_name(venv.name + "-grpc")
+    pins = "\n".join(f"{name}=={version(name)}" for name in GRPC_PACKAGES)
+    stamp = folder / "pins.txt"
+    if not stamp.is_file() or stamp.read_text() != pins:
+        install = [str(python), "-m", "pip", "install", "-q", "--no-deps", "--upgrade"]
+        subprocess.run([*install, "--target", str(folder), *pins.split()], check=True)
+        stamp.write_text(pins)
+    return str(folder)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", type=Path, help="keep the logs and inputs in this folder")
@@ -181,6 +206,9 @@ def main() -> int:
         env = {**os.environ, "MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp"}
         if (PEER / "shims").is_dir():
             env["ENCDISAGG_PEER_SHIMS"] = str(PEER / "shims")
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [grpc_packages(python), env.get("PYTHONPATH")])
+        )
         client = subprocess.run(
             [
                 str(python),

@@ -311,6 +311,223 @@ CHECKS: list[tuple[str, str, Callable[[str, Inputs], Awaitable[str]]]] = [
 ]
 
 
+# --- gRPC: the SglangEncoder service of ``serve --grpc-port`` -------------------------------
+#
+# SGLang 0.5.20's gRPC language side (``SGLANG_ENCODER_MM_RECEIVER_MODE=grpc``, ``grpc://``
+# encoder URLs): ``MMReceiverGrpc.encode`` (its EncodeRequests, sent by its own
+# ``_grpc_encode_request`` over blocking stubs in threads) and ``WaitingZmqRequestGrpc`` (its
+# ranks' ``SchedulerReceiveUrl`` over ``_grpc_scheduler_receive_url``). The stub is
+# smg-grpc-proto's ``SglangEncoderStub``, which SGLang imports; run.py puts grpcio and
+# smg-grpc-proto beside the venv (SGLang's venv is built without its dependencies).
+# SGLang's gRPC receiver refuses ``mooncake``; the mooncake row drives the Send RPC with the
+# stub itself, into a buffer registered with SGLang's own MooncakeTransferEngine.
+#
+# One encoder URL per check, so both images travel as one part: SGLang's gRPC client names
+# every part of a request by the request's own id (its HTTP client adds ``_local_part_K``),
+# so two parts on one encoder would collide (``is live already``), with SGLang's own encoder
+# as with ours. Deployments give each part its own encoder.
+
+
+def _grpc_tokenizer(urls: list[str]) -> Any:
+    """SGLang's gRPC tokenizer-side receiver, built as :func:`_tokenizer` builds HTTP's."""
+    receiver = object.__new__(sglang_receiver.MMReceiverGrpc)
+    receiver.encode_urls = list(urls)
+    receiver.host = "127.0.0.1"
+    receiver.context = zmq.asyncio.Context()
+    receiver.recv_timeout = RECV_TIMEOUT_S
+    receiver.model_type = None
+    return receiver
+
+
+async def grpc_zmq_to_tokenizer(url: str, inputs: Inputs) -> str:
+    import grpc
+
+    receiver = _grpc_tokenizer([url])
+    processor = RecordingProcessor()
+    request = SimpleNamespace()
+    receiver._extract_url_data = lambda _request: _mm_data(inputs.images)
+    result = await receiver.recv_mm_data(request, processor, "<image><image>")
+    assert result is not None, "recv_mm_data gave up"
+    _check_assembled(processor, inputs)
+    receiver._extract_url_data = lambda _request: _mm_data([inputs.images[0], BAD_ITEM])
+    failing = RecordingProcessor()
+    started = time.monotonic()
+    result = await receiver.recv_mm_data(request, failing, "<image><image>")
+    waited = time.monotonic() - started
+    assert result is None, "a bad item did not fail the request"
+    assert not failing.calls, "a failed request reached the processor"
+    assert waited < RECV_TIMEOUT_S / 2, f"the failure took {waited:.1f} s"
+    # What SGLang's client saw for the bad part: the status its own encoder answers.
+    bad = {
+        "mm_items": [BAD_ITEM],
+        "req_id": uuid.uuid4().hex,
+        "num_parts": 1,
+        "part_idx": 0,
+        "prefill_host": "127.0.0.1",
+        "embedding_port": None,
+    }
+    try:
+        await asyncio.to_thread(
+            sglang_receiver._grpc_encode_request, sglang_receiver._grpc_target(url), bad
+        )
+    except grpc.RpcError as exc:
+        code = exc.code()
+    else:
+        raise AssertionError("a bad item was answered OK")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, f"bad item answered {code}"
+    return (
+        f"1 part of 2 images byte-equal; error part failed the request in {waited:.2f} s "
+        f"(the RPC: {code.name})"
+    )
+
+
+async def grpc_zmq_to_scheduler(url: str, inputs: Inputs) -> str:
+    import grpc
+
+    outcomes = []
+    for images, should_fail in ((inputs.images, False), ([inputs.images[0], BAD_ITEM], True)):
+        rid = uuid.uuid4().hex
+        runner = sglang_receiver._ReceiveRegistrationRunner("registration")
+        processors = [RecordingProcessor() for _ in range(2)]
+        recv_req = _recv_req(rid, 1)
+        recv_req.num_items_assigned = {Modality.IMAGE: [len(images)]}
+        ranks = [
+            sglang_receiver.WaitingZmqRequestGrpc(
+                rid=rid,
+                recv_req=recv_req,
+                mm_processor=processor,
+                encoder_urls=[url],
+                model_type=None,
+                host_name="127.0.0.1",
+                receive_count=2,
+                registration_runner=runner,
+            )
+            for processor in processors
+        ]
+        tokenizer = _grpc_tokenizer([url])
+        dispatch = asyncio.ensure_future(
+            tokenizer.encode(
+                rid,
+                _mm_data(images),
+                None,
+                "encode",
+                num_items_assigned={Modality.IMAGE: [len(images)]},
+            )
+        )
+        for rank in ranks:
+            rank.send_encode_request()
+        await asyncio.to_thread(_poll, ranks, RECV_TIMEOUT_S)
+        try:
+            await dispatch
+            dispatch_error = None
+        except grpc.RpcError as exc:
+            dispatch_error = exc.code()
+        statuses = [rank.status for rank in ranks]
+        if should_fail:
+            assert all(s == sglang_receiver.WaitingMMRequestStatus.FAIL for s in statuses)
+            codes = {rank.error_code for rank in ranks}
+            assert codes == {400}, f"error codes {codes}"
+            assert dispatch_error == grpc.StatusCode.INVALID_ARGUMENT, dispatch_error
+            outcomes.append(
+                f"error part failed both ranks (error_code 400: {ranks[0].error_msg!r}; "
+                f"the RPC: {dispatch_error.name})"
+            )
+        else:
+            assert all(s == sglang_receiver.WaitingMMRequestStatus.SUCCESS for s in statuses)
+            for processor in processors:
+                _check_assembled(processor, inputs)
+            assert dispatch_error is None, dispatch_error
+            outcomes.append("2 ranks x 1 part of 2 images byte-equal (registered over gRPC)")
+        runner.loop.call_soon_threadsafe(runner.loop.stop)
+    return "; ".join(outcomes)
+
+
+async def grpc_mooncake(url: str, inputs: Inputs) -> str:
+    """SGLang's gRPC receiver refuses mooncake, so the stub drives Encode and Send itself;
+    the rank side is SGLang's: its MooncakeTransferEngine, ``safe_pickle_loads`` of the
+    completion notice, the EmbeddingData it describes."""
+    import grpc
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        MooncakeTransferEngine,
+    )
+    from sglang.srt.utils.common import safe_pickle_loads
+    from smg_grpc_proto import sglang_encoder_pb2 as pb, sglang_encoder_pb2_grpc as pb_grpc
+
+    target = sglang_receiver._grpc_target(url)
+    engine = MooncakeTransferEngine("127.0.0.1")
+    expected = inputs.reference[0]
+    buffer = torch.zeros(len(expected), dtype=torch.uint8)
+    engine.register(buffer.data_ptr(), len(expected))
+    context = zmq.Context()
+    notices = context.socket(zmq.PULL)
+    port = notices.bind_to_random_port("tcp://127.0.0.1")
+
+    def calls() -> tuple[Any, bytes, grpc.StatusCode]:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.SglangEncoderStub(channel)
+            part = f"{uuid.uuid4().hex}_local_part_0"
+            sizes = stub.Encode(
+                pb.EncodeRequest(mm_items=[inputs.images[0]], req_id=part, num_parts=1, part_idx=0),
+                timeout=RECV_TIMEOUT_S,
+            )
+            stub.Send(
+                pb.SendRequest(
+                    req_id=part,
+                    prefill_host="127.0.0.1",
+                    embedding_port=port,
+                    session_id=engine.get_session_id(),
+                    buffer_address=buffer.data_ptr(),
+                ),
+                timeout=RECV_TIMEOUT_S,
+            )
+            assert notices.poll(int(RECV_TIMEOUT_S * 1000)), "no completion notice"
+            notice = notices.recv_multipart()
+            assert len(notice) == 1, f"the notice has {len(notice)} frames"
+            try:
+                stub.Send(
+                    pb.SendRequest(
+                        req_id=part,
+                        prefill_host="127.0.0.1",
+                        embedding_port=port,
+                        session_id=engine.get_session_id(),
+                        buffer_address=buffer.data_ptr(),
+                    ),
+                    timeout=RECV_TIMEOUT_S,
+                )
+            except grpc.RpcError as exc:
+                again = exc.code()
+            else:
+                raise AssertionError("a second Send of a released part was answered OK")
+            return sizes, notice[0], again
+
+    try:
+        sizes, notice, again = await asyncio.to_thread(calls)
+        assert sizes.embedding_size == len(expected), f"embedding_size {sizes.embedding_size}"
+        assert sizes.embedding_dim == inputs.hidden, f"embedding_dim {sizes.embedding_dim}"
+        data = safe_pickle_loads(notice)
+        assert isinstance(data, sglang_receiver.EmbeddingData), type(data).__name__
+        assert data.error_msg is None, data.error_msg
+        assert list(data.shape) == [sizes.embedding_len, sizes.embedding_dim], data.shape
+        assert buffer.numpy().tobytes() == expected, "the Mooncake write differs"
+        assert again == grpc.StatusCode.INTERNAL, again
+    finally:
+        notices.close(linger=0)
+        context.term()
+        engine.deregister(buffer.data_ptr())
+    return (
+        "Encode sizes, Send wrote byte-equal over Mooncake TCP, notice read by "
+        f"safe_pickle_loads; a released part's Send: {again.name} (SGLang's gRPC receiver "
+        "itself refuses mooncake)"
+    )
+
+
+CHECKS += [
+    ("zmq_to_tokenizer", "grpc", grpc_zmq_to_tokenizer),
+    ("zmq_to_scheduler", "grpc", grpc_zmq_to_scheduler),
+    ("mooncake", "grpc", grpc_mooncake),
+]
+
+
 def _inputs(folder: Path) -> Inputs:
     meta = json.loads((folder / "inputs.json").read_text())
     return Inputs(
