@@ -121,8 +121,10 @@ async def local_bytes(image: bytes) -> bytes:
 
 
 @asynccontextmanager
-async def grpc_app(make_app: Callable[..., Quart], **config: Any) -> AsyncIterator[Quart]:
-    app = make_app(fast_config(**config), grpc_port=0)
+async def grpc_app(
+    make_app: Callable[..., Quart], settings: dict[str, Any] | None = None, **config: Any
+) -> AsyncIterator[Quart]:
+    app = make_app(fast_config(**config), grpc_port=0, **(settings or {}))
     async with running(app):
         yield app
 
@@ -201,6 +203,29 @@ async def test_errors_map_to_invalid_argument_and_internal(
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         stats = app.extensions["encdisagg"].backend.encoder.stats()
         assert (stats.live_requests, stats.staged_bytes) == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_a_destination_outside_the_allowed_peers_is_permission_denied(
+    make_app: Callable[..., Quart],
+) -> None:
+    async with grpc_app(make_app, {"allowed_peers": ("10.0.0.0/8",)}) as app:
+        target = target_of(app.extensions["encdisagg"])
+        request = pb.EncodeRequest(
+            req_id="p",
+            mm_items=[png_data_url(32, 32)],
+            num_parts=1,
+            prefill_host="127.0.0.1",
+            embedding_port=[4000],
+        )
+        error = await rpc_error(target, "Encode", request)
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "127.0.0.1" in error.details()
+        register = pb.SchedulerReceiveUrlRequest(
+            req_id="p", receive_url="127.0.0.1:4000", receive_count=1
+        )
+        error = await rpc_error(target, "SchedulerReceiveUrl", register)
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 @pytest.mark.anyio

@@ -31,7 +31,7 @@ from smg_grpc_proto.generated import (
 )
 
 from encdisagg import BadRequestError, NotFoundError
-from encdisagg.server._access import ApiKey
+from encdisagg.server._access import ApiKey, ForbiddenError
 from encdisagg.server._grpc import GrpcServer
 
 pytestmark = pytest.mark.anyio
@@ -40,8 +40,8 @@ SERVICE = "sglang.grpc.encoder.SglangEncoder"
 
 
 class FakeCalls:
-    """Records each body; ``req_id`` picks the behaviour (``"bad"``, ``"gone"``, ``"boom"``,
-    ``"hold"`` waits for ``release``)."""
+    """Records each body; ``req_id`` picks the behaviour (``"bad"``, ``"gone"``, ``"far"``,
+    ``"boom"``, ``"hold"`` waits for ``release``)."""
 
     def __init__(self) -> None:
         self.bodies: list[tuple[str, dict[str, object]]] = []
@@ -58,6 +58,8 @@ class FakeCalls:
             raise BadRequestError("num_parts must be an integer >= 1")
         if req_id == "gone":
             raise NotFoundError("unknown req_id 'gone'", req_id="gone")
+        if req_id == "far":
+            raise ForbiddenError("prefill_host: 203.0.113.9 is not an allowed peer")
         if req_id == "boom":
             raise RuntimeError("secret internals at 0x7f00")
         if req_id == "hold":
@@ -193,6 +195,11 @@ async def test_send_and_scheduler_receive_url_bodies() -> None:
     [
         ("bad", grpc.StatusCode.INVALID_ARGUMENT, "num_parts must be an integer >= 1"),
         ("gone", grpc.StatusCode.INTERNAL, "unknown req_id 'gone'"),
+        (
+            "far",
+            grpc.StatusCode.PERMISSION_DENIED,
+            "prefill_host: 203.0.113.9 is not an allowed peer",
+        ),
         ("boom", grpc.StatusCode.INTERNAL, "internal server error"),
     ],
 )

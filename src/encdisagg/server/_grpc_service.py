@@ -3,7 +3,8 @@
 Each RPC turns its protobuf request into the body SGLang's HTTP language side would have
 posted, hands it to the server's event loop (see :mod:`._grpc`), and turns the answer back
 into the protobuf response. Errors map as SGLang's own gRPC encoder maps them: a
-:class:`~encdisagg.BadRequestError` is ``INVALID_ARGUMENT``, anything else ``INTERNAL``.
+:class:`~encdisagg.BadRequestError` is ``INVALID_ARGUMENT``, anything else ``INTERNAL``
+(but a refused destination, which SGLang has no such check for, is ``PERMISSION_DENIED``).
 
 Everything here runs on the gRPC server's own asyncio loop; nothing of it touches the
 Encoder directly.
@@ -19,7 +20,7 @@ import grpc
 from smg_grpc_proto.generated import sglang_encoder_pb2 as pb
 
 from .._errors import BadRequestError, EncdisaggError
-from ._access import ApiKey
+from ._access import ApiKey, ForbiddenError
 
 __all__ = [
     "SERVICE_NAME",
@@ -145,10 +146,13 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status code and details an RPC that raised ``exc`` ends with. Not async.
 
     SGLang's mapping: a bad request (400) is ``INVALID_ARGUMENT``, everything else
-    ``INTERNAL``; an unexpected exception's text is logged, never answered.
+    ``INTERNAL``; an unexpected exception's text is logged, never answered. A destination
+    outside ``allowed_peers`` (403, which SGLang does not have) is ``PERMISSION_DENIED``.
     """
     if isinstance(exc, BadRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, _public(exc.message)
+    if isinstance(exc, ForbiddenError):
+        return grpc.StatusCode.PERMISSION_DENIED, _public(exc.message)
     if isinstance(exc, EncdisaggError):
         return grpc.StatusCode.INTERNAL, _public(exc.message)
     return grpc.StatusCode.INTERNAL, "internal server error"
