@@ -1,9 +1,10 @@
 """Delivery: one staged embedding to one destination (a Mooncake write or a ZMQ push).
 
 Callers run these inside a job of the request (``_table``), so the staged memory outlives
-every call here. A Mooncake write is one engine call: inline when the engine says it does
-not block, else one worker-thread call that is never abandoned. A ZMQ push returns only
-once ZMQ no longer references the payload.
+every call here. A Mooncake write is one engine call: awaited on the event loop when the
+engine has a ``write_async`` (``MooncakeEngine``), inline when the engine says it does not
+block, else one worker-thread call that is never abandoned. A ZMQ push returns only once
+ZMQ no longer references the payload.
 """
 
 from __future__ import annotations
@@ -76,6 +77,20 @@ class Delivery:
                             record.req_id,
                         )
                         return
+        write_async = getattr(engine, "write_async", None)
+        if write_async is not None:
+            # The engine waits for its own write on the event loop (MooncakeEngine), no
+            # worker thread per write; a cancellation takes effect once the write ended,
+            # and a write that may still read the memory keeps it out of reuse.
+            with job.waiting():
+                await write_async(
+                    destination.session_id,
+                    staged.ptr,
+                    destination.buffer_address,
+                    staged.nbytes,
+                    on_still_held=staged.pin,
+                )
+            return
         if not regions.blocking:
             engine.write(
                 destination.session_id, staged.ptr, destination.buffer_address, staged.nbytes

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
-from typing import Protocol, cast, final
+from typing import Final, Protocol, cast, final
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from .._errors import TransferError
 from ..nurseries import run_thread_to_completion
 from ._mooncake_listen import keep_listeners_to_host, socket_inodes
+from ._mooncake_waiter import DONE, FAILED, TIMED_OUT, CompletionWaiter
 from ._native_logs import native_lines_to_logging, quiet_mooncake_by_default
 from ._regions import RegionTable, check_range
 
@@ -22,6 +25,15 @@ __all__ = ["MooncakeEngine"]
 logger = logging.getLogger(__name__)
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
+
+#: What ``transfer_submit_write`` returns instead of a batch id when it fails (0 in the
+#: 0.3 wheels, -1 as a 64-bit unsigned batch id upstream).
+_NO_BATCH: Final = frozenset({0, -1, (1 << 64) - 1})
+#: Writes up to this size are submitted on the event loop, larger ones in a worker thread:
+#: over TCP, Mooncake starts sending in the submitting thread, so a submit costs about a
+#: copy into the socket's buffer (a fraction of a millisecond for 1 MiB) and grows with the
+#: size until that buffer is full. Over RDMA a submit only posts work requests.
+SUBMIT_ON_LOOP_MAX_BYTES: Final = 2 << 20
 
 
 class _MooncakeApi(Protocol):
@@ -39,6 +51,10 @@ class _MooncakeApi(Protocol):
     def transfer_sync_write(
         self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, /
     ) -> int: ...
+    def transfer_submit_write(
+        self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, /
+    ) -> int: ...
+    def transfer_check_status(self, batch_id: int, /) -> int: ...
 
 
 def _create_mooncake() -> _MooncakeApi:
@@ -69,6 +85,10 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
     checks, :meth:`write` also requires its local range to lie in a region registered here:
     Mooncake's TCP transport does not check that, RDMA does.
 
+    :meth:`write_async` is the same write made from the event loop without a worker thread
+    per call (the Encoder uses it when an engine has one): submitted, then polled until
+    Mooncake reports it done.
+
     :param hostname: the local host (``"host"`` or ``"host:port"``) given to Mooncake. Its
         handshake and TCP data ports answer only connections to this host (Mooncake binds
         them to every interface; a socket filter drops the rest), unless it is a wildcard.
@@ -77,6 +97,8 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
     :param protocol: ``"tcp"`` or ``"rdma"``.
     :param device_name: RDMA device(s); empty for TCP.
     :param close_timeout_s: the bound on deregistering leftovers at exit.
+    :param submit_on_loop_max_bytes: :meth:`write_async` submits writes up to this size on
+        the event loop, larger ones from a worker thread (0: always from a thread).
     """
 
     def __init__(
@@ -87,12 +109,15 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         device_name: str = "",
         *,
         close_timeout_s: float = 10.0,
+        submit_on_loop_max_bytes: int = SUBMIT_ON_LOOP_MAX_BYTES,
     ) -> None:
         self._hostname = hostname
         self._metadata_server = metadata_server
         self._protocol = protocol
         self._device_name = device_name
         self._close_timeout_s = close_timeout_s
+        self._submit_on_loop_max_bytes = submit_on_loop_max_bytes
+        self._transfer_timeout_s = _mooncake_transfer_timeout_s()
         self._lock = threading.Lock()
         # Guarded by _lock. _engine is set while the engine runs. _used turns True when the
         # context is first entered (an engine starts once), _closed when it is left.
@@ -101,6 +126,10 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         self._used = False
         self._closed = False
         self._regions = RegionTable()
+        # Sessions a write reached: Mooncake holds an open segment for them, so a submit
+        # needs no handshake (a blocking RPC). A failed write forgets its session.
+        self._connected: set[str] = set()
+        self._waiter = CompletionWaiter()
 
     @property
     def session_id(self) -> str:
@@ -178,8 +207,91 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         # Outside the lock: transfers run concurrently. Keeping the region registered until
         # this returns is the caller's job (its owning scope deregisters after draining).
         rc = engine.transfer_sync_write(target_session, local_ptr, remote_ptr, nbytes)
+        with self._lock:
+            if rc == 0:
+                self._connected.add(target_session)
+            else:
+                self._connected.discard(target_session)
         if rc != 0:
             raise TransferError(f"{call} failed (rc={rc})")
+
+    async def write_async(
+        self,
+        target_session: str,
+        local_ptr: int,
+        remote_ptr: int,
+        nbytes: int,
+        *,
+        on_still_held: Callable[[], None] | None = None,
+    ) -> None:
+        """:meth:`write`, awaited on the event loop instead of blocking a worker thread.
+
+        This is a checkpoint. The first write to a session (Mooncake opens the session with
+        a handshake, a blocking RPC) and writes over ``submit_on_loop_max_bytes`` are
+        submitted from a worker thread, the others on the event loop
+        (``transfer_submit_write``); then ``transfer_check_status`` is polled on the event
+        loop, a few times on checkpoints and then between sleeps that double up to a
+        millisecond, until Mooncake reports the write done or failed.
+
+        Once submitted, the write runs to its end: cancelling the caller (once or many times)
+        takes effect only after Mooncake reported it done or failed, so the local memory is
+        free when the caller sees the cancellation. That wait is bounded as Mooncake bounds
+        its own synchronous write (``MC_TRANSFER_TIMEOUT``, 30 s by default, plus a second
+        per GiB); should the bound pass, or Mooncake report a timeout, Mooncake may still read
+        the memory: ``on_still_held()`` is called before this raises, so the caller can keep
+        that memory out of reuse for good.
+
+        :raises TransferError: as :meth:`write`, and for a write that did not end in time.
+        """
+        call = f"mooncake transfer_submit_write to {target_session}"
+        if not isinstance(target_session, str) or not target_session:
+            raise TransferError(f"{call}: target_session must be a non-empty str")
+        check_range(call, "local_ptr", local_ptr, nbytes)
+        check_range(call, "remote_ptr", remote_ptr, nbytes)
+        with self._lock:
+            engine = self._require(call)
+            if not self._regions.covers(local_ptr, nbytes):
+                raise TransferError(
+                    f"{call}: local range {local_ptr:#x}+{nbytes} is not inside a registered region"
+                )
+            connected = target_session in self._connected
+        if not connected:
+            await run_thread_to_completion(
+                self.write, target_session, local_ptr, remote_ptr, nbytes
+            )
+            return
+        with anyio.CancelScope(shield=True):
+            # Shielded from the submit on: a submitted write cannot be called back, so the
+            # caller must not return before it ended.
+            if nbytes <= self._submit_on_loop_max_bytes:
+                batch = engine.transfer_submit_write(target_session, local_ptr, remote_ptr, nbytes)
+            else:
+                batch = await run_thread_to_completion(
+                    engine.transfer_submit_write, target_session, local_ptr, remote_ptr, nbytes
+                )
+            if batch in _NO_BATCH:
+                self._forget(target_session)
+                raise TransferError(f"{call} failed (batch id {batch})")
+            rc = engine.transfer_check_status(batch)
+            if rc not in (DONE, FAILED, TIMED_OUT):
+                # Still running (a TCP submit often sent the bytes already, then it ended).
+                timeout_s = self._transfer_timeout_s + nbytes / (1 << 30)
+                rc = await self._waiter.wait(engine, batch, timeout_s)
+        if rc == DONE:
+            # A cancellation that arrived meanwhile is delivered now the write ended.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return
+        self._forget(target_session)
+        if rc == FAILED:
+            raise TransferError(f"{call} failed (rc={rc})")
+        if on_still_held is not None:
+            on_still_held()
+        what = "timed out (rc=-2)" if rc == TIMED_OUT else "did not end in time"
+        raise TransferError(f"{call} {what}; Mooncake may still read the local memory")
+
+    def _forget(self, target_session: str) -> None:
+        with self._lock:
+            self._connected.discard(target_session)
 
     def registered_regions(self) -> int:
         """How many regions are registered now."""
@@ -220,6 +332,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
                     f"mooncake initialize of {self._hostname} ({self._protocol}, "
                     f"{self._metadata_server}) failed (rc={rc})"
                 )
+        self._waiter.start()
         host, _, port = self._hostname.rpartition(":")
         host = host if host and port.isdigit() else self._hostname
         # Before the engine is published: nothing reaches it through another interface.
@@ -236,8 +349,10 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         with self._lock:
             engine, self._engine = self._engine, None
             self._closed = True
+            self._connected.clear()
             leftovers = self._regions.items()
             self._regions.clear()
+        self._waiter.stop()
         if engine is None:
             return
         for ptr, nbytes in leftovers:
@@ -267,3 +382,12 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
 
     def __repr__(self) -> str:
         return f"<MooncakeEngine {self._session_id or self._hostname} regions={len(self._regions)}>"
+
+
+def _mooncake_transfer_timeout_s() -> float:
+    """Mooncake's own bound on a synchronous write: ``MC_TRANSFER_TIMEOUT`` seconds (at
+    least 5), 30 by default."""
+    try:
+        return float(max(5, int(os.environ["MC_TRANSFER_TIMEOUT"])))
+    except (KeyError, ValueError):
+        return 30.0

@@ -1,0 +1,147 @@
+"""One owned thread that waits for many submitted Mooncake writes at once.
+
+A write submitted with ``transfer_submit_write`` ends when Mooncake says so through
+``transfer_check_status``. Polling that from the event loop costs a sleep of at least a
+millisecond per poll (event loops sleep in whole milliseconds), longer than a 1 MiB write
+takes; a worker thread per write costs a thread hand-off each way and keeps a core spinning
+in Mooncake's own synchronous wait. This thread polls every write in flight, sleeping a
+tenth of the youngest write's age between rounds (at least 20 µs, at most 1 ms), so a
+write is seen done soon after it ended, and wakes the waiting task through a
+:class:`~encdisagg.nurseries.ThreadSafeEvent`. With nothing in flight it blocks on a
+condition and costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Final, Protocol, final
+
+import anyio
+
+from ..nurseries import ThreadSafeEvent
+
+__all__ = ["DONE", "FAILED", "STILL_RUNNING", "TIMED_OUT", "CompletionWaiter"]
+
+_log = logging.getLogger(__name__)
+
+#: ``transfer_check_status`` answers: done (Mooncake freed the batch id), failed (freed
+#: too), timed out (not freed: Mooncake may still own it); anything else is still running.
+DONE: Final = 1
+FAILED: Final = -1
+TIMED_OUT: Final = -2
+#: What a wait answers when its deadline passed with the write still running.
+STILL_RUNNING: Final = 0
+_ENDED: Final = frozenset({DONE, FAILED, TIMED_OUT})
+_MIN_SLEEP_S: Final = 20e-6
+_MAX_SLEEP_S: Final = 1e-3
+#: A round's sleep is this share of the youngest write's age: a write is seen done at most
+#: about a tenth of its own duration late.
+_SLEEP_SHARE: Final = 0.1
+
+
+class _StatusApi(Protocol):
+    def transfer_check_status(self, batch_id: int, /) -> int: ...
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    engine: _StatusApi
+    batch: int
+    submitted: float
+    deadline: float
+    event: ThreadSafeEvent
+    rc: int = STILL_RUNNING
+    error: BaseException | None = field(default=None)
+
+
+@final
+class CompletionWaiter:
+    """Waits for submitted writes in one thread of its own.
+
+    :meth:`start` and :meth:`stop` are blocking calls (make them off the event loop);
+    :meth:`wait` is awaited on the event loop.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        # Guarded by _condition.
+        self._pending: list[_Pending] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread. Blocks briefly."""
+        thread = threading.Thread(target=self._run, name="mooncake-completions", daemon=True)
+        with self._condition:
+            self._thread = thread
+        thread.start()
+
+    def stop(self) -> None:
+        """Let the thread end once every write it waits for ended or passed its deadline,
+        and join it. Blocks."""
+        with self._condition:
+            thread, self._thread = self._thread, None
+            self._stopping = True
+            self._condition.notify()
+        if thread is not None:
+            thread.join()
+
+    async def wait(self, engine: _StatusApi, batch: int, timeout_s: float) -> int:
+        """Wait until Mooncake reports ``batch`` ended; its rc (:data:`DONE`, :data:`FAILED`
+        or :data:`TIMED_OUT`), or :data:`STILL_RUNNING` once ``timeout_s`` passed first.
+
+        A checkpoint. The caller shields this wait: the write it waits for cannot be called
+        back. Should the thread not run (the engine is closing), the wait polls on the
+        event loop instead, once a millisecond.
+        """
+        now = time.monotonic()
+        pending = _Pending(engine, batch, now, now + timeout_s, ThreadSafeEvent())
+        with self._condition:
+            running = self._thread is not None and not self._stopping
+            if running:
+                self._pending.append(pending)
+                self._condition.notify()
+        if running:
+            await pending.event.wait()
+        else:
+            # Polling is the only way Mooncake reports a write's end.
+            while not _poll(pending):  # noqa: ASYNC110
+                await anyio.sleep(_MAX_SLEEP_S)
+        if pending.error is not None:
+            raise pending.error
+        return pending.rc
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._pending and not self._stopping:
+                    self._condition.wait()
+                if not self._pending:
+                    return
+                round_ = list(self._pending)
+            ended = [pending for pending in round_ if _poll(pending)]
+            youngest = max(pending.submitted for pending in round_)
+            with self._condition:
+                for pending in ended:
+                    self._pending.remove(pending)
+            for pending in ended:
+                pending.event.set_from_thread()
+            if len(ended) < len(round_):
+                age = time.monotonic() - youngest
+                time.sleep(min(max(age * _SLEEP_SHARE, _MIN_SLEEP_S), _MAX_SLEEP_S))
+
+
+def _poll(pending: _Pending) -> bool:
+    """Poll one write; whether its wait is over (ended, failed to poll, or past deadline)."""
+    try:
+        rc = pending.engine.transfer_check_status(pending.batch)
+    except Exception as exc:  # handed to the waiting task, never lost
+        pending.error = exc
+        return True
+    if rc in _ENDED:
+        pending.rc = rc
+        return True
+    return time.monotonic() >= pending.deadline

@@ -1,0 +1,255 @@
+"""MooncakeEngine.write_async: writes awaited on the event loop, over real Mooncake TCP
+(two engines in this process) and against a scripted engine for the answers TCP never gives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import pytest
+import torch
+
+from encdisagg import TransferError
+from encdisagg.transfer import MooncakeEngine, _mooncake, _mooncake_waiter
+
+pytestmark = [pytest.mark.anyio, pytest.mark.mooncake]
+
+MIB = 1 << 20
+
+
+class RecordingMooncake:
+    """Wraps a real pybind engine: records each submit and each status answer, and runs a
+    hook right after a submit returned (on the caller's thread)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.submitted: list[int] = []
+        self.answers: dict[int, list[int]] = {}
+        self.after_submit: Callable[[], None] | None = None
+
+    def transfer_submit_write(self, target: str, local: int, remote: int, nbytes: int) -> int:
+        batch = int(self._real.transfer_submit_write(target, local, remote, nbytes))
+        self.submitted.append(batch)
+        if self.after_submit is not None:
+            self.after_submit()
+        return batch
+
+    def transfer_check_status(self, batch: int) -> int:
+        rc = int(self._real.transfer_check_status(batch))
+        self.answers.setdefault(batch, []).append(rc)
+        return rc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@pytest.fixture
+def pair(
+    mooncake_pair: tuple[MooncakeEngine, MooncakeEngine], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[MooncakeEngine, RecordingMooncake, torch.Tensor, torch.Tensor]]:
+    """The shared pair, the sender's Mooncake recorded, a registered 16 MiB source on the
+    sender and a registered 16 MiB target on the receiver."""
+    sender, receiver = mooncake_pair
+    recording = RecordingMooncake(sender._engine)
+    monkeypatch.setattr(sender, "_engine", recording)
+    source = torch.randint(0, 256, (16 * MIB,), dtype=torch.uint8)
+    target = torch.zeros(16 * MIB, dtype=torch.uint8)
+    sender.register(source.data_ptr(), source.numel())
+    receiver.register(target.data_ptr(), target.numel())
+    try:
+        yield sender, recording, source, target
+    finally:
+        sender.deregister(source.data_ptr())
+        receiver.deregister(target.data_ptr())
+
+
+async def test_writes_land_whole_first_through_a_thread_then_from_the_loop(
+    pair: tuple[MooncakeEngine, RecordingMooncake, torch.Tensor, torch.Tensor],
+    mooncake_pair: tuple[MooncakeEngine, MooncakeEngine],
+    thread_calls: list[Callable[..., Any]],
+) -> None:
+    sender, recording, source, target = pair
+    session = mooncake_pair[1].session_id
+    sender._connected.discard(session)
+    src, dst = source.data_ptr(), target.data_ptr()
+
+    # The first write to a session opens it (a handshake): a synchronous write in a thread.
+    await sender.write_async(session, src, dst, MIB)
+    assert recording.submitted == []
+    assert sender.write in thread_calls
+    thread_calls.clear()
+
+    # Then 1 MiB is submitted on the loop, 8 MiB from a worker thread; both are waited for
+    # until Mooncake said done, and no worker thread waits for them.
+    await sender.write_async(session, src + MIB, dst + MIB, MIB)
+    assert thread_calls == []
+    await sender.write_async(session, src + 2 * MIB, dst + 2 * MIB, 8 * MIB)
+    assert len(thread_calls) == 1
+    assert len(recording.submitted) == 2
+    for batch in recording.submitted:
+        assert recording.answers[batch][-1] == _mooncake_waiter.DONE
+    assert torch.equal(target[: 10 * MIB], source[: 10 * MIB])
+
+
+async def test_concurrent_writes_each_wait_for_their_own(
+    pair: tuple[MooncakeEngine, RecordingMooncake, torch.Tensor, torch.Tensor],
+    mooncake_pair: tuple[MooncakeEngine, MooncakeEngine],
+) -> None:
+    sender, recording, source, target = pair
+    session = mooncake_pair[1].session_id
+    await sender.write_async(session, source.data_ptr(), target.data_ptr(), 4096)
+    recording.submitted.clear()
+    async with anyio.create_task_group() as group:
+        for index in range(8):
+            offset = index * MIB
+            group.start_soon(
+                sender.write_async,
+                session,
+                source.data_ptr() + offset,
+                target.data_ptr() + offset,
+                MIB,
+            )
+    assert len(recording.submitted) == 8
+    assert all(recording.answers[b][-1] == _mooncake_waiter.DONE for b in recording.submitted)
+    assert torch.equal(target[: 8 * MIB], source[: 8 * MIB])
+
+
+@pytest.mark.parametrize("nbytes", [MIB, 8 * MIB], ids=["submitted-on-loop", "from-thread"])
+async def test_a_cancelled_write_returns_only_once_mooncake_said_it_ended(
+    pair: tuple[MooncakeEngine, RecordingMooncake, torch.Tensor, torch.Tensor],
+    mooncake_pair: tuple[MooncakeEngine, MooncakeEngine],
+    nbytes: int,
+) -> None:
+    sender, recording, source, target = pair
+    session = mooncake_pair[1].session_id
+    await sender.write_async(session, source.data_ptr(), target.data_ptr(), 4096)
+    recording.submitted.clear()
+    returned: list[bool] = []
+
+    async def write(scope: anyio.CancelScope) -> None:
+        with scope:
+            await sender.write_async(session, source.data_ptr(), target.data_ptr(), nbytes)
+            returned.append(True)
+
+    async with anyio.create_task_group() as group:
+        scope = anyio.CancelScope()
+
+        def cancel_twice() -> None:
+            scope.cancel()
+            scope.cancel()
+
+        def after_submit() -> None:
+            # Right after the submit (Mooncake owns the memory now), twice over; an 8 MiB
+            # write is submitted from a worker thread.
+            if threading.current_thread() is loop_thread:
+                cancel_twice()
+            else:
+                anyio.from_thread.run_sync(cancel_twice)
+
+        loop_thread = threading.current_thread()
+        recording.after_submit = after_submit
+        group.start_soon(write, scope)
+    assert returned == []  # the cancellation was delivered...
+    assert scope.cancelled_caught
+    (batch,) = recording.submitted
+    # ...but only after Mooncake reported the write done.
+    assert recording.answers[batch][-1] == _mooncake_waiter.DONE
+    assert torch.equal(target[:nbytes], source[:nbytes])
+
+
+async def test_a_failed_write_raises_and_reopens_the_session_next_time(
+    pair: tuple[MooncakeEngine, RecordingMooncake, torch.Tensor, torch.Tensor],
+    mooncake_pair: tuple[MooncakeEngine, MooncakeEngine],
+) -> None:
+    sender, _, source, target = pair
+    session = mooncake_pair[1].session_id
+    await sender.write_async(session, source.data_ptr(), target.data_ptr(), 4096)
+    assert session in sender._connected
+    # Past the end of the receiver's registered buffer: the receiver refuses it.
+    with pytest.raises(TransferError, match=r"transfer_submit_write to .* failed \(rc=-1\)"):
+        await sender.write_async(session, source.data_ptr(), target.data_ptr() + 16 * MIB, 4096)
+    assert session not in sender._connected
+    with pytest.raises(TransferError, match="not inside a registered region"):
+        await sender.write_async(session, 0x1000, target.data_ptr(), 4096)
+
+
+class ScriptedMooncake:
+    """A stand-in engine whose submits and status answers are scripted."""
+
+    def __init__(self, batch: int, statuses: list[int]) -> None:
+        self.batch = batch
+        self.statuses = statuses
+        self.polled: list[int] = []
+
+    def initialize(self, hostname: str, metadata: str, protocol: str, device: str) -> int:
+        return 0
+
+    def get_rpc_port(self) -> int:
+        return 15000
+
+    def register_memory(self, ptr: int, nbytes: int) -> int:
+        return 0
+
+    def unregister_memory(self, ptr: int) -> int:
+        return 0
+
+    def transfer_sync_write(self, target: str, local: int, remote: int, nbytes: int) -> int:
+        return 0
+
+    def transfer_submit_write(self, target: str, local: int, remote: int, nbytes: int) -> int:
+        return self.batch
+
+    def transfer_check_status(self, batch: int) -> int:
+        self.polled.append(batch)
+        return self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+
+
+async def _scripted_write(
+    monkeypatch: pytest.MonkeyPatch, fake: ScriptedMooncake, held: list[bool]
+) -> None:
+    monkeypatch.setattr(_mooncake, "_create_mooncake", lambda: fake)
+    async with MooncakeEngine() as engine:
+        engine.register(0x1000, 4096)
+        engine._connected.add("peer:1")
+        try:
+            await engine.write_async(
+                "peer:1", 0x1000, 0x9000, 4096, on_still_held=lambda: held.append(True)
+            )
+        finally:
+            engine.deregister(0x1000)
+
+
+@pytest.mark.parametrize("batch", [0, (1 << 64) - 1])
+async def test_a_refused_submit_raises_without_polling(
+    monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    fake = ScriptedMooncake(batch, [_mooncake_waiter.DONE])
+    held: list[bool] = []
+    with pytest.raises(TransferError, match=rf"failed \(batch id {batch}\)"):
+        await _scripted_write(monkeypatch, fake, held)
+    assert fake.polled == []
+    assert held == []
+
+
+async def test_a_write_polled_by_the_thread_until_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedMooncake(0x55, [0, 0, 0, _mooncake_waiter.DONE])
+    held: list[bool] = []
+    await _scripted_write(monkeypatch, fake, held)
+    assert fake.polled == [0x55] * 4
+    assert held == []
+
+
+async def test_a_mooncake_timeout_keeps_the_memory_out_of_reuse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = ScriptedMooncake(0x55, [0, _mooncake_waiter.TIMED_OUT])
+    held: list[bool] = []
+    with pytest.raises(TransferError, match=r"timed out \(rc=-2\); Mooncake may still read"):
+        await _scripted_write(monkeypatch, fake, held)
+    assert held == [True]
+    # A timed-out batch is not freed by Mooncake: never polled again once it said so.
+    assert fake.polled == [0x55, 0x55]
