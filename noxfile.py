@@ -39,8 +39,9 @@ def tests(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff (lint + format check) and mypy (strict on src/)."""
     install_project(session, "dev")
-    session.run("ruff", "check", "src", "tests", "examples", "benchmarks", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "examples", "benchmarks", "noxfile.py")
+    linted = ("src", "tests", "examples", "benchmarks", "interop", "noxfile.py")
+    session.run("ruff", "check", *linted)
+    session.run("ruff", "format", "--check", *linted)
     session.run("mypy")
 
 
