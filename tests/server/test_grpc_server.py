@@ -398,3 +398,17 @@ async def test_serve_subprocess_over_grpc(anyio_backend_name: str) -> None:
             process.kill()
             await process.wait()
         await process.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_app_without_the_grpc_extra_fails_its_startup_naming_it(
+    make_app: Callable[..., Quart], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hint = "--grpc-port needs the grpc extra (grpc missing): pip install 'encdisagg[grpc]'"
+    monkeypatch.setattr("encdisagg.server._grpc_serving.grpc_missing", lambda: hint)
+    app = make_app(fast_config(model="null"), grpc_port=0)
+    # Quart's test app raises its startup error; QuartTrio's cancels the test with it as the
+    # reason. Either carries the message.
+    with pytest.raises(BaseException, match=r"needs the grpc extra .*encdisagg\[grpc\]"):
+        async with running(app):
+            pass
