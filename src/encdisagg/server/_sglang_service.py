@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import anyio
-import anyio.to_thread
 
 from .._config import EncoderConfig
 from .._errors import (
@@ -47,6 +46,7 @@ from .._errors import (
 from .._modality import Modality
 from .._video_timing import VideoTiming
 from ..encoder import Encoder, EncodeResult, ZmqDestination
+from ..nurseries import run_thread_to_completion
 from ..transfer import ReceivedPart, payload_view
 from ..transfer._sglang_frames import SglangPart, sglang_header
 from ..transfer._sglang_push import SglangPusher
@@ -140,7 +140,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[SglangService]:
-        model_type = await anyio.to_thread.run_sync(model_type_of, self._config.model)
+        model_type = await run_thread_to_completion(model_type_of, self._config.model)
         self._video_fields = video_fields(model_type)
         async with self._pusher:
             self._open = True
