@@ -347,10 +347,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def _call_span(message: WorkMessage) -> AbstractContextManager[object]:
     """A span for one call, current while it runs, continuing the front's trace; a no-op for
     an untraced call or when nobody traces in this worker."""
@@ -358,3 +354,7 @@ def _call_span(message: WorkMessage) -> AbstractContextManager[object]:
         return _tracing.span(None, "encdisagg.worker")
     trace = _tracing.from_traceparent(message.traceparent)
     return _tracing.span(trace, f"encdisagg.worker {message.op}", {"encdisagg.op": message.op})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
