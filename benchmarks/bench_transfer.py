@@ -30,13 +30,16 @@ finds the caches and the receiver warmed by the other. A pair's ratio is Encoder
 throughput; the **transfer efficiency** is the median of the pairs' ratios. The goal is at
 least 0.9.
 
-A Mooncake write blocks, so the Encoder makes it in one worker thread and the event loop
-never stalls on the network. On a small machine that hop costs a good part of a 1 MiB
-transfer itself, so each Mooncake pair also times a fourth loop: the raw loop with each
-``transfer_sync_write`` in a worker thread (``anyio.to_thread.run_sync``), the floor of any
-delivery that keeps the loop free; its ratio to raw, and the Encoder's ratio to it, are
-reported beside the headline. The wait for ZMQ to release a zero-copy payload needs no
-thread: the payload view's finalizer wakes the send.
+The raw Mooncake loop blocks its thread in ``transfer_sync_write``, which spins a core until
+the write is done. An event loop cannot make that call itself; the Encoder submits each
+write (``MooncakeEngine.write_async``: ``transfer_submit_write``, on the event loop up to
+2 MiB, from a worker thread above) and one engine-owned thread polls every write in flight
+and wakes the waiting task, so no core spins and no worker thread is taken per write. Each
+Mooncake pair also times a fourth loop, the raw loop with each ``transfer_sync_write`` in a
+worker thread (``anyio.to_thread.run_sync``), which is how the Encoder made its writes
+before: its ratio to raw, and the Encoder's ratio to it, are reported beside the headline.
+The wait for ZMQ to release a zero-copy payload needs no thread: the payload view's
+finalizer wakes the send.
 
 Another loop beside each pair's raw one sends N *distinct* buffers (filled, and for Mooncake
 registered, before its clock starts): the Encoder sends a different embedding each time, and
@@ -200,8 +203,8 @@ def _mooncake_raw(engine: Any, session: str, remote: int, local: int, size: int,
 async def _mooncake_raw_hopped(
     engine: Any, session: str, remote: int, local: int, size: int, n: int
 ) -> float:
-    """Raw, but each write in a worker thread, as an event loop must make a blocking call:
-    the floor for any delivery that keeps the loop free (the Encoder's included)."""
+    """Raw, but each write in a worker thread, as an event loop makes a blocking call (the
+    Encoder's way before its writes were submitted and polled)."""
     import anyio.to_thread
 
     start = time.perf_counter()

@@ -225,23 +225,24 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
         if self._closed:
             raise TransferError(f"{what}: the push pool is closed", req_id=header.req_id)
-        with anyio.CancelScope() as abort_scope:
-            self._running_sends.add(abort_scope)
-            try:
-                with anyio.fail_after(self._send_timeout_s):
-                    await self._send(url, head, payload, what, on_still_held)
-            except TimeoutError:
+        # One scope for both ends of a send: its deadline, and aclose() cancelling it.
+        scope = anyio.CancelScope(deadline=anyio.current_time() + self._send_timeout_s)
+        self._running_sends.add(scope)
+        try:
+            with scope:
+                await self._send(url, head, payload, what, on_still_held)
+        except TransferError as exc:
+            exc.req_id = header.req_id
+            raise
+        finally:
+            self._running_sends.discard(scope)
+            if not self._running_sends and self._sends_done is not None:
+                self._sends_done.set()
+        if scope.cancelled_caught:
+            if anyio.current_time() >= scope.deadline:
                 raise TransferError(
                     f"{what} timed out after {self._send_timeout_s} s", req_id=header.req_id
-                ) from None
-            except TransferError as exc:
-                exc.req_id = header.req_id
-                raise
-            finally:
-                self._running_sends.discard(abort_scope)
-                if not self._running_sends and self._sends_done is not None:
-                    self._sends_done.set()
-        if abort_scope.cancelled_caught:
+                )
             raise TransferError(f"{what}: aborted, the push pool closed", req_id=header.req_id)
 
     def send_nowait(self, url: str, header: EmbeddingHeader, payload: memoryview | None) -> bool:
@@ -345,7 +346,9 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         what: str,
         on_still_held: Callable[[], None] | None,
     ) -> None:
-        await anyio.lowlevel.checkpoint()
+        # A cancellation point now; the scheduling point is the release wait below (or,
+        # when there is nothing to wait for, the shielded checkpoint at the end).
+        await anyio.lowlevel.checkpoint_if_cancelled()
         tracker: zmq.MessageTracker | None = None
         while tracker is None:
             connection = self._connect(url, what)
@@ -366,10 +369,13 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
                 if tracker is None:
                     connection.users -= 1
         connection.used = True
+        released_at_once = tracker.done
         try:
             await self._wait_released(connection, tracker, what, on_still_held)
         finally:
             connection.users -= 1
+        if released_at_once:
+            await anyio.lowlevel.cancel_shielded_checkpoint()
 
     def _queue(
         self, connection: _Connection, head: bytes, payload: memoryview | None, what: str
