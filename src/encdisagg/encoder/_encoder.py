@@ -126,6 +126,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
                 keys=keys,
             )
             batcher = self._batcher = compute.batcher
+            delivery = Delivery(regions, zmq, layout=getattr(model, "embedding_layout", None))
             async with anyio.create_task_group() as owner:
                 await owner.start(regions.run)
                 try:
@@ -138,9 +139,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
                                 compute=compute,
                                 regions=regions,
                                 budget=self._budget,
-                                delivery=Delivery(
-                                    regions, zmq, layout=getattr(model, "embedding_layout", None)
-                                ),
+                                delivery=delivery,
                                 events=self._events,
                                 pushes=pushes,
                             )
@@ -293,8 +292,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
 
     @property
     def global_cache(self) -> GlobalCache | None:
-        """The global tier with ``global_cache`` set (kept after close, for its counters),
-        else None."""
+        """The global tier (``None`` without ``global_cache``), kept after close."""
         return self._global
 
     def global_cache_stats(self) -> GlobalCacheStats | None:
