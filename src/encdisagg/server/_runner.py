@@ -20,6 +20,7 @@ import sniffio
 from hypercorn.config import Config as HypercornConfig
 
 from ._eof_close import install_eof_close
+from ._read_turns import install_read_turns, read_turns_from_env
 
 __all__ = ["bind_socket", "serve"]
 
@@ -97,6 +98,7 @@ async def serve(
     shutdown_timeout_s: float = 120.0,
     keep_alive_timeout_s: float = 75.0,
     sock: socket.socket | None = None,
+    read_turns: int | None = None,
 ) -> None:
     """Serve ``app`` with Hypercorn until ``shutdown_trigger`` returns, then shut down.
 
@@ -111,6 +113,10 @@ async def serve(
         sends a request on a connection the server is closing at that moment.
     :param sock: a listening socket to serve on instead of binding ``host:port``; it is
         handed to Hypercorn, which closes it.
+    :param read_turns: under Trio, how many connections streaming a request body read at
+        once (``0``: each whenever its socket has data, as Hypercorn does); ``None``: from
+        ``ENCDISAGG_TRIO_READ_TURNS``, default 4. Keeps probes answered under many uploads
+        (see ``_read_turns``); asyncio ignores it.
     :raises OSError: if the address cannot be bound.
     :raises hypercorn.utils.LifespanFailureError: if the app's startup failed.
     """
@@ -138,6 +144,9 @@ async def serve(
 
     if sniffio.current_async_library() == "trio":
         from hypercorn.trio import serve as hypercorn_serve
+
+        turns = read_turns_from_env() if read_turns is None else read_turns
+        install_read_turns(config, turns)
     else:
         from hypercorn.asyncio import serve as hypercorn_serve  # type: ignore[assignment]
 
