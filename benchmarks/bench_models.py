@@ -13,7 +13,8 @@ request of one item:
 
 ``preprocess`` decodes the bytes and runs the model's real processor (and, for videos, the
 timing arithmetic) in one thread, as one worker thread would; ``forward`` is one tower call.
-Each figure is the median of several repeats after one warm-up; min and max are kept too.
+Each figure is the median of several repeats after one warm-up; min, max and the process's
+CPU time are kept too. torch runs one intra-op thread unless ``--threads`` says otherwise.
 
 Sweep (``results``): the ``tiny`` model at 448x448 and 1280x720, batches of 1 and 8 requests.
 
@@ -68,14 +69,17 @@ def _png(width: int, height: int, seed: int) -> bytes:
 def _timed(action: Callable[[], object], repeats: int) -> dict[str, float]:
     action()  # warm-up: first calls allocate and pick kernels
     seconds = []
+    cpu = []  # this process's CPU time (all its threads): less sensitive to a busy machine
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         action()
         seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     return {
         "median_s": statistics.median(seconds),
         "min_s": min(seconds),
         "max_s": max(seconds),
+        "cpu_median_s": statistics.median(cpu),
         "repeats": repeats,
     }
 
@@ -249,17 +253,25 @@ def _spread(timing: dict[str, float]) -> str:
     return f"{_ms(timing):.1f} ms"
 
 
+def _cpu(item: Row) -> str:
+    # Both steps' CPU time, all threads: what the work costs, whatever else the machine does.
+    parts = [item[step].get("cpu_median_s") for step in ("preprocess", "forward")]
+    if None in parts:
+        return ""
+    return f"{sum(parts) * 1e3:.1f} ms"
+
+
 def table(rows: list[Row]) -> str:
     """The rows as a markdown table (as docs/benchmarks.md shows them): medians, and the
     fastest repeat in brackets."""
     lines = [
-        "| family | model | modality | input | grid | tokens | preprocess | forward |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | model | modality | input | grid | tokens | preprocess | forward | CPU time |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines.extend(
         f"| {item['family']} | `{item['model']}` | {item['modality']} | {item['input']} | "
         f"{item['grid']} | {item['tokens']} | {_spread(item['preprocess'])} | "
-        f"{_spread(item['forward'])} |"
+        f"{_spread(item['forward'])} | {_cpu(item)} |"
         for item in rows
     )
     return "\n".join(lines)
@@ -300,6 +312,7 @@ def headlines(rows: list[Row], results: list[Row]) -> list[dict[str, Any]]:
 
 
 def run(repeats: int) -> dict[str, object]:
+    load_before = os.getloadavg()
     rows: list[Row] = []
     for builder in ROW_BUILDERS:
         built = builder(repeats)
@@ -310,6 +323,8 @@ def run(repeats: int) -> dict[str, object]:
         "dtype": "float32",
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
+        # 1-minute load averages when the run started and ended: other work on the machine.
+        "load_average": [load_before[0], os.getloadavg()[0]],
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -325,11 +340,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a shared machine, more threads measure "
+        "the contention more than the model; 0 keeps torch's own choice)",
+    )
+    parser.add_argument(
         "--output",
         type=Path,
         default=Path(__file__).resolve().parent / "results" / "models.json",
     )
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     report = run(args.repeats)
     print(table(report["rows"]))  # type: ignore[arg-type]
     args.output.parent.mkdir(parents=True, exist_ok=True)
