@@ -18,6 +18,10 @@ behaved client would, so every request is encoded in the end. Meanwhile one thre
 
 Goal: peak RSS under 2 GiB and ``/health`` p99 under 100 ms. Client and server share the
 machine's cores, so the latencies are upper bounds of what the server alone would show.
+
+The Trio server reads body streams in turns (``ENCDISAGG_TRIO_READ_TURNS``, default 4;
+the server inherits this process's environment): run with ``ENCDISAGG_TRIO_READ_TURNS=0``
+for Hypercorn's own read loop, to compare. The setting used is recorded in the results.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import anyio
 import httpx
 from _common import Options, headline, latency_summary, parse_options, write_json
 from bench_server import HEIGHT, WIDTH, _Prober, burst_bodies, tiny_server
+
+from encdisagg.server._read_turns import read_turns_from_env
 
 FLAVOURS = ("asyncio", "trio")
 RSS_GOAL_MIB = 2048.0
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             "image": f"{WIDTH}x{HEIGHT} PNG, {body_mib:.2f} MiB per request body",
             "model": "tiny (seeded Qwen2-VL architecture, CPU)",
             "concurrency": count,
+            "trio_read_turns": read_turns_from_env(),
             "runs": runs,
             "headline": heads,
         },

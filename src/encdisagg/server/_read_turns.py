@@ -4,16 +4,17 @@ Trio runs every task that is ready in one batch before it looks at the network a
 a connection receiving a large body is ready again as soon as one read returned: its
 socket holds more. Under 200 concurrent 1.9 MiB uploads, Hypercorn's Trio worker thus had
 about a hundred connection tasks in each batch (one 64 KiB read, HTTP/1.1 parsing and
-Quart's body buffer each), 30 to 300 ms a batch, and a ``/health`` request needs about
-ten batches to be answered. All 200 bodies also finished together, at the end of the
+Quart's body buffer each), 30 to 300 ms a batch, and each step of a ``/health`` request
+waited for a whole batch. All 200 bodies also finished together, at the end of the
 upload, so no encode could start before then.
 
-Here a connection whose last read filled the receive size is streaming a body. Before
-its next read it waits, holding nothing, until its socket is readable, then takes one of
-a few turns; the oldest streams go first. A batch then holds at most a few reads however
-many uploads are open; bodies arrive one after another (their encodes start early), and a
-connection that has sent nothing yet (a probe, a new request) never waits for a turn. A
-client that stops sending mid-body holds no turn while it is silent.
+Here a connection whose last read filled Hypercorn's receive size (64 KiB) is streaming a
+body. Before its next read (of up to 256 KiB) it waits, holding nothing, until its socket
+is readable, then takes one of a few turns; the oldest streams go first. A batch then
+holds at most a few reads however many uploads are open; bodies arrive one after another
+(their encodes start early), and a connection that has sent nothing yet (a probe, a new
+request) never waits for a turn. A client that stops sending mid-body holds no turn while
+it is silent.
 
 asyncio's Hypercorn worker reads in the transport's callbacks, and is left as it is.
 """
@@ -42,6 +43,7 @@ from ._eof_close import _TrioTCPServer
 __all__ = [
     "DEFAULT_READ_TURNS",
     "READ_TURNS_ENV",
+    "STREAM_RECEIVE_BYTES",
     "ReadTurns",
     "install_read_turns",
     "read_turns_from_env",
@@ -49,6 +51,11 @@ __all__ = [
 
 #: Streaming connections that may read at once in one Trio server.
 DEFAULT_READ_TURNS: Final = 4
+#: What one read of a stream may take: asyncio's transports read 256 KiB at a time too.
+#: Every read lets go of the GIL, and while worker threads decode and preprocess, taking it
+#: back costs the event loop up to a switch interval (5 ms): a quarter of the reads per
+#: body is a quarter of those waits.
+STREAM_RECEIVE_BYTES: Final = 256 * 1024
 #: The environment variable that sets the number of turns; ``0`` keeps Hypercorn's own
 #: read loop (every connection reads whenever its socket has data).
 READ_TURNS_ENV: Final = "ENCDISAGG_TRIO_READ_TURNS"
@@ -150,7 +157,7 @@ class _TurnTakingTCPServer(_TrioTCPServer):
                         await trio.lowlevel.wait_readable(socket)
                         await turns.take(stream_age)
                         try:
-                            data = await self.stream.receive_some(size)
+                            data = await self.stream.receive_some(STREAM_RECEIVE_BYTES)
                         finally:
                             turns.give_back()
             except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
