@@ -226,12 +226,14 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
     ) -> None:
         """:meth:`write`, awaited on the event loop instead of blocking a worker thread.
 
-        This is a checkpoint. The first write to a session (Mooncake opens the session with
-        a handshake, a blocking RPC) and writes over ``submit_on_loop_max_bytes`` are
-        submitted from a worker thread, the others on the event loop
-        (``transfer_submit_write``); then ``transfer_check_status`` is polled on the event
-        loop, a few times on checkpoints and then between sleeps that double up to a
-        millisecond, until Mooncake reports the write done or failed.
+        The first write to a session (Mooncake opens the session with a handshake, a
+        blocking RPC) goes through :meth:`write` in a worker thread. Later writes are
+        submitted (``transfer_submit_write``) on the event loop, or from a worker thread
+        when over ``submit_on_loop_max_bytes``; unless Mooncake reports one done at once, the
+        engine's completion thread then polls ``transfer_check_status`` for it (with every
+        other write in flight) and wakes this task when it ended. Always a cancellation
+        point; a checkpoint (it yields to other tasks) unless Mooncake reported the write
+        done right after submitting it.
 
         Once submitted, the write runs to its end: cancelling the caller (once or many times)
         takes effect only after Mooncake reported it done or failed, so the local memory is
