@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import anyio
@@ -45,6 +46,18 @@ class RecordingMooncake:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+
+@pytest.fixture(scope="module")
+def mooncake_pair() -> Iterator[tuple[MooncakeEngine, MooncakeEngine]]:
+    """A pair of this module's own, so the first test's first write is the sender's first
+    write to that receiver (the path under test). On the session's shared pair, whose
+    session another module opened, that write failed (rc=-1) against memory the receiver
+    registered after the session opened."""
+    with anyio.from_thread.start_blocking_portal() as portal, ExitStack() as stack:
+        first = stack.enter_context(portal.wrap_async_context_manager(MooncakeEngine()))
+        second = stack.enter_context(portal.wrap_async_context_manager(MooncakeEngine()))
+        yield first, second
 
 
 @pytest.fixture
