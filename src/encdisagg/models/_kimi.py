@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
@@ -32,8 +31,18 @@ from ._grids import kimi_grid_tokens
 from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule
 from ._media import MediaPolicy, item_label, load_image
 from ._media_limits import MediaLimits, PixelBudget, derived_image_pixels
-from ._protocol import Preprocessed, split_embedding
-from ._qwen import _PROVENANCE_KEYS, _update_with_tensor, state_digest
+from ._protocol import Preprocessed
+from ._tower import (
+    PROVENANCE_KEYS,
+    PerThread,
+    TowerModel,
+    checked_request,
+    content_key,
+    empty_embedding,
+    gather_features,
+    owned_pieces,
+    state_digest,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -76,7 +85,7 @@ def _architecture(config: Mapping[str, Any]) -> dict[str, Any]:
     return {
         key: _architecture(value) if isinstance(value, Mapping) else value
         for key, value in config.items()
-        if key not in _PROVENANCE_KEYS
+        if key not in PROVENANCE_KEYS
     }
 
 
@@ -86,7 +95,7 @@ def _merge_kernel(config: Any) -> tuple[int, int]:
 
 
 @final
-class KimiVisionModel:
+class KimiVisionModel(TowerModel):
     """A Kimi-K2.5 vision tower and projector with its image processor.
 
     Build one with :func:`~encdisagg.models.load_model` (``"tiny-kimi-k25"`` or a
@@ -124,6 +133,7 @@ class KimiVisionModel:
         module: torch.nn.Module = encoder
         module.train(False)  # eval mode; via the base class, whose annotations mypy sees
         self._encoder = encoder
+        self._weights = encoder
         self._name = name
         self._merge_kernel = (merge_h, merge_w)
         self._hidden_size = int(config.text_config.hidden_size)
@@ -139,8 +149,10 @@ class KimiVisionModel:
             max_patches=int(image_processor.max_patches),
             max_side_patches=int(image_processor.size["max_height"]),
         )
-        self._threads = threading.local()
-        self._threads.processor = image_processor
+        processor_config = dict(self._processor_config)
+        self._processors = PerThread(
+            image_processor, lambda: Kimi_K25ImageProcessorPil.from_dict(dict(processor_config))
+        )
         identity = hashlib.sha256()
         identity.update(b"kimi_k25")
         identity.update(
@@ -153,31 +165,9 @@ class KimiVisionModel:
     # --- identity and shape -------------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        """The built-in name or checkpoint folder this model was loaded from."""
-        return self._name
-
-    @property
-    def identity(self) -> str:
-        """sha256 over the architecture, processor settings and weights; part of cache keys."""
-        return self._identity
-
-    @property
     def hidden_size(self) -> int:
         """Width of the embeddings: the projector's output, the text model's hidden size."""
         return self._hidden_size
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The encoder's dtype, which its embeddings have too."""
-        dtype: torch.dtype = self._encoder.dtype
-        return dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Where the encoder runs and its embeddings are returned."""
-        device: torch.device = self._encoder.device
-        return device
 
     @property
     def merge_kernel_size(self) -> tuple[int, int]:
@@ -202,23 +192,6 @@ class KimiVisionModel:
 
     # --- preprocessing ------------------------------------------------------------------
 
-    def _processor(self) -> Kimi_K25ImageProcessorPil:
-        # A private copy per thread, as for the Qwen models: third-party state is never
-        # shared between concurrent preprocess calls.
-        processor: Kimi_K25ImageProcessorPil | None = getattr(self._threads, "processor", None)
-        if processor is None:
-            processor = Kimi_K25ImageProcessorPil.from_dict(dict(self._processor_config))
-            self._threads.processor = processor
-        return processor
-
-    #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
-    accepts_media_limits: Final = True
-
-    @property
-    def media_limits(self) -> MediaLimits:
-        """The budgets ``preprocess`` applies when its caller passes none."""
-        return self._limits
-
     def preprocess(
         self,
         items: Sequence[object],
@@ -238,16 +211,9 @@ class KimiVisionModel:
             ``mm_items[i]`` for an item that cannot be fetched, decoded or preprocessed,
             or that passes a budget.
         """
-        modality = Modality.parse(modality)
-        if modality not in self.modalities:
-            raise BadRequestError(
-                f"modality {modality.value!r} is not supported by model {self._name!r} "
-                "(supported: image)"
-            )
-        if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
-            raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
+        checked_request(items, modality, self.modalities, self._name)
         budget = self._budget(limits or self._limits, len(items))
-        processor = self._processor()
+        processor = self._processors.get()
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
         for index, item in enumerate(items):
@@ -268,7 +234,7 @@ class KimiVisionModel:
             token_counts=token_counts,
             grid=rows,
             features=features,
-            cache_key=self._cache_key(features, rows),
+            cache_key=content_key(self._identity, features, rows),
         )
 
     def _budget(self, limits: MediaLimits, count: int) -> PixelBudget:
@@ -287,17 +253,6 @@ class KimiVisionModel:
             raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
         return out[PIXEL_VALUES], out["image_grid_thw"]
 
-    def _cache_key(
-        self, features: Mapping[str, torch.Tensor], grid: tuple[tuple[int, ...], ...]
-    ) -> str:
-        digest = hashlib.sha256()
-        digest.update(self._identity.encode())
-        digest.update(json.dumps(grid).encode())
-        for key in sorted(features):
-            digest.update(key.encode())
-            _update_with_tensor(digest, features[key])
-        return digest.hexdigest()
-
     # --- forward ------------------------------------------------------------------------
 
     def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
@@ -309,39 +264,16 @@ class KimiVisionModel:
         """
         if not batch:
             return []
-        pixel_values: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
-        totals: list[int] = []
-        for number, element in enumerate(batch):
-            totals.append(element.num_tokens)
-            if not element.token_counts:
-                continue
-            values = element.features.get(PIXEL_VALUES)
-            grid = element.features.get(GRID_THWS)
-            if not isinstance(values, torch.Tensor) or not isinstance(grid, torch.Tensor):
-                raise InternalError(
-                    f"batch[{number}] has no {PIXEL_VALUES}/{GRID_THWS} features; "
-                    f"it was not preprocessed by model {self._name!r}"
-                )
-            pixel_values.append(values)
-            grids.append(grid)
+        totals, pixel_values, grids = gather_features(batch, (PIXEL_VALUES, GRID_THWS), self._name)
         if not grids:
-            return [self._empty() for _ in batch]
+            return [empty_embedding(self._hidden_size, self.dtype, self.device) for _ in batch]
         with torch.inference_mode():
             rows: torch.Tensor = self._encoder(
                 torch.cat(pixel_values).to(self.device, self.dtype),
                 torch.cat(grids).to(self.device),
             )
-        pieces = split_embedding(rows, totals)
-        if rows.shape[1] != self._hidden_size:
-            raise InternalError(
-                f"Encoder produced {rows.shape[1]}-wide tokens, expected {self._hidden_size}"
-            )
-        # Ordinary tensors with their own storage, as QwenVisionModel.forward explains.
-        return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
-
-    def _empty(self) -> torch.Tensor:
-        return torch.empty((0, self._hidden_size), dtype=self.dtype, device=self.device)
+        # Split and cloned outside inference mode: ordinary tensors with their own storage.
+        return owned_pieces(rows, totals, self._hidden_size)
 
     # --- checkpoints --------------------------------------------------------------------
 

@@ -14,21 +14,31 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
 
 import torch
 from transformers import Qwen2VLImageProcessorPil
 
-from .._errors import BadRequestError, InternalError
+from .._errors import BadRequestError
 from .._modality import Modality
 from .._video_timing import VideoTiming, video_timing
 from ._grids import grid_tokens
 from ._media import MediaPolicy, item_label, load_image, load_video
 from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
-from ._protocol import Preprocessed, split_embedding
+from ._protocol import Preprocessed
+from ._tower import (
+    PerThread,
+    TowerModel,
+    architecture_json,
+    checked_request,
+    content_key,
+    empty_embedding,
+    gather_features,
+    owned_pieces,
+    state_digest,
+)
 from ._video_items import video_source
 
 if TYPE_CHECKING:
@@ -61,36 +71,8 @@ _SHARED_SETTINGS: Final = {
 }
 
 
-def _update_with_tensor(digest: Any, tensor: torch.Tensor) -> None:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    digest.update(f"{flat.dtype}{tuple(tensor.shape)}".encode())
-    # Reinterpreted as bytes so dtypes numpy lacks (bfloat16) hash the same way.
-    digest.update(flat.view(torch.uint8).numpy().data)
-
-
-# Config entries that say where a model came from or which library wrote it, not what it
-# computes; leaving them out of the identity keeps it equal across a save/load round trip.
-_PROVENANCE_KEYS: Final = frozenset(
-    {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype"}
-)
-
-
-def _architecture_json(config: Mapping[str, Any]) -> str:
-    kept = {key: value for key, value in config.items() if key not in _PROVENANCE_KEYS}
-    return json.dumps(kept, sort_keys=True, default=str)
-
-
-def state_digest(module: torch.nn.Module) -> str:
-    """sha256 over a module's parameters and buffers (names, dtypes, shapes, bytes)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        _update_with_tensor(digest, tensor)
-    return digest.hexdigest()
-
-
 @final
-class QwenVisionModel:
+class QwenVisionModel(TowerModel):
     """A Qwen2-VL or Qwen2.5-VL vision tower with its processor.
 
     Build one with :func:`~encdisagg.models.load_model`; the constructor takes the parts.
@@ -138,6 +120,7 @@ class QwenVisionModel:
         module: torch.nn.Module = tower
         module.train(False)  # eval mode; via the base class, whose annotations mypy sees
         self._tower = tower
+        self._weights = tower
         self._name = name
         self._model_type: str = model_type
         self._hidden_size = int(getattr(tower.config, _OUTPUT_WIDTH_KEYS[model_type]))
@@ -150,11 +133,13 @@ class QwenVisionModel:
         size = image_processor.size
         self._image_rule = ResizeRule(factor, int(size["shortest_edge"]), int(size["longest_edge"]))
         self._video_rule = ResizeRule(factor, video_min_pixels, video_max_pixels)
-        self._threads = threading.local()
-        self._threads.processor = image_processor
+        config = dict(self._processor_config)
+        self._processors = PerThread(
+            image_processor, lambda: Qwen2VLImageProcessorPil.from_dict(dict(config))
+        )
         identity = hashlib.sha256()
         identity.update(model_type.encode())
-        identity.update(_architecture_json(tower.config.to_dict()).encode())
+        identity.update(architecture_json(tower.config.to_dict()).encode())
         identity.update(json.dumps(self._processor_config, sort_keys=True, default=str).encode())
         identity.update(json.dumps(self._video_size, sort_keys=True).encode())
         identity.update(state_digest(tower).encode())
@@ -163,31 +148,9 @@ class QwenVisionModel:
     # --- identity and shape -------------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        """The built-in name or checkpoint folder this model was loaded from."""
-        return self._name
-
-    @property
-    def identity(self) -> str:
-        """sha256 over the architecture, processor settings and weights; part of cache keys."""
-        return self._identity
-
-    @property
     def hidden_size(self) -> int:
         """Width of the embeddings: the merger's output width, the LLM's hidden size."""
         return self._hidden_size
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The tower's dtype, which its embeddings have too."""
-        dtype: torch.dtype = self._tower.dtype
-        return dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Where the tower runs and its embeddings are returned."""
-        device: torch.device = self._tower.device
-        return device
 
     @property
     def merge_size(self) -> int:
@@ -212,24 +175,6 @@ class QwenVisionModel:
 
     # --- preprocessing ------------------------------------------------------------------
 
-    def _processor(self) -> Qwen2VLImageProcessorPil:
-        # The processor only reads its settings today, but it is third-party code with
-        # attributes any release could start caching into; a private copy per thread keeps
-        # concurrent preprocess calls independent for ~0.2 ms per new thread.
-        processor: Qwen2VLImageProcessorPil | None = getattr(self._threads, "processor", None)
-        if processor is None:
-            processor = Qwen2VLImageProcessorPil.from_dict(dict(self._processor_config))
-            self._threads.processor = processor
-        return processor
-
-    #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
-    accepts_media_limits: Final = True
-
-    @property
-    def media_limits(self) -> MediaLimits:
-        """The budgets ``preprocess`` applies when its caller passes none."""
-        return self._limits
-
     def preprocess(
         self,
         items: Sequence[object],
@@ -250,17 +195,9 @@ class QwenVisionModel:
             ``mm_items[i]`` for an item that cannot be fetched, decoded or preprocessed,
             or that passes a budget.
         """
-        modality = Modality.parse(modality)
-        if modality not in self.modalities:
-            supported = ", ".join(sorted(m.value for m in self.modalities))
-            raise BadRequestError(
-                f"modality {modality.value!r} is not supported by model {self._name!r} "
-                f"(supported: {supported})"
-            )
-        if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
-            raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
+        modality = checked_request(items, modality, self.modalities, self._name)
         budget = self._budget(limits or self._limits, len(items))
-        processor = self._processor()
+        processor = self._processors.get()
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
         timings: list[VideoTiming] = []
@@ -293,7 +230,7 @@ class QwenVisionModel:
             token_counts=token_counts,
             grid=rows,
             features=features,
-            cache_key=self._cache_key(features, rows),
+            cache_key=content_key(self._identity, features, rows),
             video_timing=tuple(timings) if modality is Modality.VIDEO else None,
         )
 
@@ -361,17 +298,6 @@ class QwenVisionModel:
         grid = torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.int64)
         return values, grid
 
-    def _cache_key(
-        self, features: Mapping[str, torch.Tensor], grid: tuple[tuple[int, ...], ...]
-    ) -> str:
-        digest = hashlib.sha256()
-        digest.update(self._identity.encode())
-        digest.update(json.dumps(grid).encode())
-        for key in sorted(features):
-            digest.update(key.encode())
-            _update_with_tensor(digest, features[key])
-        return digest.hexdigest()
-
     # --- forward ------------------------------------------------------------------------
 
     def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
@@ -383,42 +309,17 @@ class QwenVisionModel:
         """
         if not batch:
             return []
-        pixel_values: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
-        totals: list[int] = []
-        for number, element in enumerate(batch):
-            totals.append(element.num_tokens)
-            if not element.token_counts:
-                continue
-            values = element.features.get(PIXEL_VALUES)
-            grid = element.features.get(GRID_THW)
-            if not isinstance(values, torch.Tensor) or not isinstance(grid, torch.Tensor):
-                raise InternalError(
-                    f"batch[{number}] has no {PIXEL_VALUES}/{GRID_THW} features; "
-                    f"it was not preprocessed by model {self._name!r}"
-                )
-            pixel_values.append(values)
-            grids.append(grid)
+        totals, pixel_values, grids = gather_features(batch, (PIXEL_VALUES, GRID_THW), self._name)
         if not grids:
-            return [self._empty() for _ in batch]
+            return [empty_embedding(self._hidden_size, self.dtype, self.device) for _ in batch]
         with torch.inference_mode():
             output = self._tower(
                 torch.cat(pixel_values).to(self.device, self.dtype),
                 grid_thw=torch.cat(grids).to(self.device),
             )
             rows: torch.Tensor = output.pooler_output
-        pieces = split_embedding(rows, totals)
-        if rows.shape[1] != self._hidden_size:
-            raise InternalError(
-                f"Encoder produced {rows.shape[1]}-wide tokens, expected {self._hidden_size}"
-            )
-        # Cloning outside inference mode gives ordinary tensors (inference tensors refuse
-        # in-place updates anywhere else), each with its own storage, so staging or freeing
-        # one request's embedding neither keeps its batch-mates' memory alive nor aliases it.
-        return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
-
-    def _empty(self) -> torch.Tensor:
-        return torch.empty((0, self._hidden_size), dtype=self.dtype, device=self.device)
+        # Split and cloned outside inference mode: ordinary tensors with their own storage.
+        return owned_pieces(rows, totals, self._hidden_size)
 
     # --- checkpoints --------------------------------------------------------------------
 

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -38,14 +37,17 @@ from ..transfer import EmbeddingLayout, deepstack_layout
 from ._grids import grid_tokens
 from ._media import MediaPolicy, item_label, load_image, load_video
 from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
-from ._protocol import Preprocessed, split_embedding
-from ._qwen import (
-    _FRAMES_PER_CALL,
-    GRID_THW,
-    PIXEL_VALUES,
-    VIDEO_CONFIG_NAME,
-    _architecture_json,
-    _update_with_tensor,
+from ._protocol import Preprocessed
+from ._qwen import _FRAMES_PER_CALL, GRID_THW, PIXEL_VALUES, VIDEO_CONFIG_NAME
+from ._tower import (
+    PerThread,
+    TowerModel,
+    architecture_json,
+    checked_request,
+    content_key,
+    empty_embedding,
+    gather_features,
+    owned_pieces,
     state_digest,
 )
 from ._video_items import video_source
@@ -68,7 +70,7 @@ _SHARED_SETTINGS: Final = {
 
 
 @final
-class Qwen3VisionModel:
+class Qwen3VisionModel(TowerModel):
     """A Qwen3-VL (dense or MoE) vision tower with its processor.
 
     Build one with :func:`~encdisagg.models.load_model`; the constructor takes the parts.
@@ -83,9 +85,6 @@ class Qwen3VisionModel:
     :param limits: the default media budgets.
     :raises BadRequestError: naming ``model`` for another tower or mismatched patch sizes.
     """
-
-    #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
-    accepts_media_limits: Final = True
 
     def __init__(
         self,
@@ -116,6 +115,7 @@ class Qwen3VisionModel:
         module: torch.nn.Module = tower
         module.train(False)
         self._tower = tower
+        self._weights = tower
         self._name = name
         self._model_type: str = model_type
         self._token_width = int(config.out_hidden_size)
@@ -135,27 +135,19 @@ class Qwen3VisionModel:
         self._video_rule = ResizeRule(
             factor, factor * factor, max(factor * factor, video_max_pixels // self._temporal)
         )
-        self._threads = threading.local()
-        self._threads.processor = image_processor
+        processor_config = dict(self._processor_config)
+        self._processors = PerThread(
+            image_processor, lambda: Qwen2VLImageProcessorPil.from_dict(dict(processor_config))
+        )
         identity = hashlib.sha256()
         identity.update(model_type.encode())
-        identity.update(_architecture_json(config.to_dict()).encode())
+        identity.update(architecture_json(config.to_dict()).encode())
         identity.update(json.dumps(self._processor_config, sort_keys=True, default=str).encode())
         identity.update(json.dumps(self._video_pixels).encode())
         identity.update(state_digest(tower).encode())
         self._identity = identity.hexdigest()
 
     # --- identity and shape -------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        """The built-in name or checkpoint folder this model was loaded from."""
-        return self._name
-
-    @property
-    def identity(self) -> str:
-        """sha256 over the architecture, processor settings and weights; part of cache keys."""
-        return self._identity
 
     @property
     def hidden_size(self) -> int:
@@ -178,18 +170,6 @@ class Qwen3VisionModel:
         return self._layout
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The tower's dtype, which its embeddings have too."""
-        dtype: torch.dtype = self._tower.dtype
-        return dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Where the tower runs and its embeddings are returned."""
-        device: torch.device = self._tower.device
-        return device
-
-    @property
     def merge_size(self) -> int:
         """Patches folded into one token along each spatial axis."""
         return self._merge_size
@@ -198,11 +178,6 @@ class Qwen3VisionModel:
     def modalities(self) -> frozenset[Modality]:
         """The modalities ``preprocess`` accepts."""
         return frozenset({Modality.IMAGE, Modality.VIDEO})
-
-    @property
-    def media_limits(self) -> MediaLimits:
-        """The budgets ``preprocess`` applies when its caller passes none."""
-        return self._limits
 
     @property
     def tower(self) -> PreTrainedModel:
@@ -217,14 +192,6 @@ class Qwen3VisionModel:
         )
 
     # --- preprocessing ------------------------------------------------------------------
-
-    def _processor(self) -> Qwen2VLImageProcessorPil:
-        # One private processor per thread: third-party code that may cache into itself.
-        processor: Qwen2VLImageProcessorPil | None = getattr(self._threads, "processor", None)
-        if processor is None:
-            processor = Qwen2VLImageProcessorPil.from_dict(dict(self._processor_config))
-            self._threads.processor = processor
-        return processor
 
     def preprocess(
         self,
@@ -242,15 +209,7 @@ class Qwen3VisionModel:
         :raises BadRequestError: naming ``modality``, ``mm_items`` or ``mm_items[i]`` for input
             this model does not take, cannot decode or that passes a budget.
         """
-        modality = Modality.parse(modality)
-        if modality not in self.modalities:
-            supported = ", ".join(sorted(m.value for m in self.modalities))
-            raise BadRequestError(
-                f"modality {modality.value!r} is not supported by model {self._name!r} "
-                f"(supported: {supported})"
-            )
-        if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
-            raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
+        modality = checked_request(items, modality, self.modalities, self._name)
         limits = limits or self._limits
         limits.check_items(len(items))
         budget = PixelBudget(
@@ -260,7 +219,7 @@ class Qwen3VisionModel:
             image_rule=self._image_rule,
             video_rule=self._video_rule,
         )
-        processor = self._processor()
+        processor = self._processors.get()
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
         timings: list[VideoTiming] = []
@@ -289,7 +248,7 @@ class Qwen3VisionModel:
             token_counts=token_counts,
             grid=rows,
             features=features,
-            cache_key=self._cache_key(features, rows),
+            cache_key=content_key(self._identity, features, rows),
             video_timing=tuple(timings) if modality is Modality.VIDEO else None,
         )
 
@@ -369,17 +328,6 @@ class Qwen3VisionModel:
         values = stacked.permute(0, 2, 3, 1, 4).reshape(grid_t * patches, -1).contiguous()
         return values, torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.int64)
 
-    def _cache_key(
-        self, features: Mapping[str, torch.Tensor], grid: tuple[tuple[int, ...], ...]
-    ) -> str:
-        digest = hashlib.sha256()
-        digest.update(self._identity.encode())
-        digest.update(json.dumps(grid).encode())
-        for key in sorted(features):
-            digest.update(key.encode())
-            _update_with_tensor(digest, features[key])
-        return digest.hexdigest()
-
     # --- forward ------------------------------------------------------------------------
 
     def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
@@ -392,24 +340,9 @@ class Qwen3VisionModel:
         """
         if not batch:
             return []
-        pixel_values: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
-        totals: list[int] = []
-        for number, element in enumerate(batch):
-            totals.append(element.num_tokens)
-            if not element.token_counts:
-                continue
-            values = element.features.get(PIXEL_VALUES)
-            grid = element.features.get(GRID_THW)
-            if not isinstance(values, torch.Tensor) or not isinstance(grid, torch.Tensor):
-                raise InternalError(
-                    f"batch[{number}] has no {PIXEL_VALUES}/{GRID_THW} features; "
-                    f"it was not preprocessed by model {self._name!r}"
-                )
-            pixel_values.append(values)
-            grids.append(grid)
+        totals, pixel_values, grids = gather_features(batch, (PIXEL_VALUES, GRID_THW), self._name)
         if not grids:
-            return [self._empty() for _ in batch]
+            return [empty_embedding(self.hidden_size, self.dtype, self.device) for _ in batch]
         with torch.inference_mode():
             output = self._tower(
                 torch.cat(pixel_values).to(self.device, self.dtype),
@@ -425,13 +358,8 @@ class Qwen3VisionModel:
                     f"{len(self._layout.sections)} of width {self._token_width}"
                 )
             rows = torch.cat(sections, dim=1)
-        pieces = split_embedding(rows, totals)
-        # Clones outside inference mode: ordinary tensors, each with its own storage (see
-        # QwenVisionModel.forward).
-        return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
-
-    def _empty(self) -> torch.Tensor:
-        return torch.empty((0, self.hidden_size), dtype=self.dtype, device=self.device)
+        # Split and cloned outside inference mode: ordinary tensors with their own storage.
+        return owned_pieces(rows, totals)
 
     # --- checkpoints --------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, final
@@ -36,8 +35,18 @@ from ._audio_media import AudioBudget, AudioRules, load_audio
 from ._grids import audio_output_length
 from ._media_limits import MediaLimits
 from ._media_policy import MediaPolicy, item_label
-from ._protocol import Preprocessed, split_embedding
-from ._qwen import _architecture_json, _update_with_tensor, state_digest
+from ._protocol import Preprocessed
+from ._tower import (
+    PerThread,
+    TowerModel,
+    architecture_json,
+    checked_request,
+    content_key,
+    empty_embedding,
+    gather_features,
+    owned_pieces,
+    state_digest,
+)
 
 __all__ = ["AUDIO_ENCODER_FAMILIES", "QwenAudioModel"]
 
@@ -52,6 +61,13 @@ INPUT_FEATURES: Final = "input_features"
 FEATURE_LENGTHS: Final = "feature_lengths"
 
 
+def _extractor_from(config: Mapping[str, Any]) -> WhisperFeatureExtractor:
+    built = WhisperFeatureExtractor.from_dict(dict(config))
+    if not isinstance(built, WhisperFeatureExtractor):  # from_dict may return a tuple
+        raise InternalError("WhisperFeatureExtractor.from_dict returned no extractor")
+    return built
+
+
 def _min_frames(family: str) -> int:
     frames = 1
     while audio_output_length(frames, family) < 1:
@@ -60,7 +76,7 @@ def _min_frames(family: str) -> int:
 
 
 @final
-class QwenAudioModel:
+class QwenAudioModel(TowerModel):
     """A Qwen2-Audio or Qwen2.5-Omni audio encoder with its feature extractor.
 
     Build one with :func:`~encdisagg.models.load_model`; the constructor takes the parts.
@@ -118,6 +134,7 @@ class QwenAudioModel:
             if module is not None:
                 module.train(False)  # eval mode, via the base class mypy sees
         self._encoder = encoder
+        self._weights = encoder
         self._projector = projector
         self._checkpoint_config = dict(checkpoint_config or {})
         self._name = name
@@ -134,11 +151,11 @@ class QwenAudioModel:
             self._hidden_size = int(linear.out_features)
         else:
             self._hidden_size = int(encoder.config.output_dim)
-        self._threads = threading.local()
-        self._threads.extractor = feature_extractor
+        extractor_config = dict(self._extractor_config)
+        self._extractors = PerThread(feature_extractor, lambda: _extractor_from(extractor_config))
         identity = hashlib.sha256()
         identity.update(model_type.encode())
-        identity.update(_architecture_json(encoder.config.to_dict()).encode())
+        identity.update(architecture_json(encoder.config.to_dict()).encode())
         identity.update(json.dumps(self._extractor_config, sort_keys=True, default=str).encode())
         identity.update(state_digest(encoder).encode())
         if projector is not None:
@@ -148,36 +165,14 @@ class QwenAudioModel:
     # --- identity and shape -------------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        """The built-in name or checkpoint folder this model was loaded from."""
-        return self._name
-
-    @property
     def family(self) -> str:
         """``"qwen2_audio"`` or ``"qwen2_5_omni"``."""
         return self._family
 
     @property
-    def identity(self) -> str:
-        """sha256 over the architecture, extractor settings and weights; part of cache keys."""
-        return self._identity
-
-    @property
     def hidden_size(self) -> int:
         """Width of the embeddings: the LLM's hidden size."""
         return self._hidden_size
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The encoder's dtype, which its embeddings have too."""
-        dtype: torch.dtype = self._encoder.dtype
-        return dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Where the encoder runs and its embeddings are returned."""
-        device: torch.device = self._encoder.device
-        return device
 
     @property
     def sampling_rate(self) -> int:
@@ -211,29 +206,6 @@ class QwenAudioModel:
         )
 
     # --- preprocessing ------------------------------------------------------------------
-
-    #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
-    accepts_media_limits: Final = True
-
-    @property
-    def media_limits(self) -> MediaLimits:
-        """The budgets ``preprocess`` applies when its caller passes none."""
-        return self._limits
-
-    def _extractor(self) -> WhisperFeatureExtractor:
-        # A private copy per thread, as for the image processor: third-party code whose
-        # attributes a release could start caching into.
-        extractor: WhisperFeatureExtractor | None = getattr(self._threads, "extractor", None)
-        if extractor is None:
-            extractor = self._fresh_extractor()
-            self._threads.extractor = extractor
-        return extractor
-
-    def _fresh_extractor(self) -> WhisperFeatureExtractor:
-        built = WhisperFeatureExtractor.from_dict(dict(self._extractor_config))
-        if not isinstance(built, WhisperFeatureExtractor):  # from_dict may return a tuple
-            raise InternalError("WhisperFeatureExtractor.from_dict returned no extractor")
-        return built
 
     def audio_rules(self, limits: MediaLimits) -> AudioRules:
         """What ``limits`` allows one item of this model: the window caps the duration."""
@@ -269,19 +241,12 @@ class QwenAudioModel:
             ``mm_items[i]`` for an item that cannot be fetched or decoded, is too short for
             one token, or is over a budget.
         """
-        modality = Modality.parse(modality)
-        if modality is not Modality.AUDIO:
-            raise BadRequestError(
-                f"modality {modality.value!r} is not supported by model {self._name!r} "
-                "(supported: audio)"
-            )
-        if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
-            raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
+        checked_request(items, modality, self.modalities, self._name)
         limits = limits or self._limits
         limits.check_items(len(items))
         rules = self.audio_rules(limits)
         budget = AudioBudget(limits.max_request_audio_seconds)
-        extractor = self._extractor()
+        extractor = self._extractors.get()
         values: list[torch.Tensor] = []
         lengths: list[torch.Tensor] = []
         # One extractor call per item: a batched call would hold every item's spectrogram
@@ -320,19 +285,8 @@ class QwenAudioModel:
             token_counts=token_counts,
             grid=rows,
             features=features,
-            cache_key=self._cache_key(features, rows),
+            cache_key=content_key(self._identity, features, rows),
         )
-
-    def _cache_key(
-        self, features: Mapping[str, torch.Tensor], grid: tuple[tuple[int, ...], ...]
-    ) -> str:
-        digest = hashlib.sha256()
-        digest.update(self._identity.encode())
-        digest.update(json.dumps(grid).encode())
-        for key in sorted(features):
-            digest.update(key.encode())
-            _update_with_tensor(digest, features[key])
-        return digest.hexdigest()
 
     # --- forward ------------------------------------------------------------------------
 
@@ -345,24 +299,10 @@ class QwenAudioModel:
         """
         if not batch:
             return []
-        values: list[torch.Tensor] = []
-        lengths: list[torch.Tensor] = []
-        totals: list[int] = []
-        for number, element in enumerate(batch):
-            totals.append(element.num_tokens)
-            if not element.token_counts:
-                continue
-            features = element.features.get(INPUT_FEATURES)
-            frames = element.features.get(FEATURE_LENGTHS)
-            if not isinstance(features, torch.Tensor) or not isinstance(frames, torch.Tensor):
-                raise InternalError(
-                    f"batch[{number}] has no {INPUT_FEATURES}/{FEATURE_LENGTHS} features; "
-                    f"it was not preprocessed by model {self._name!r}"
-                )
-            values.append(features)
-            lengths.append(frames)
+        keys = (INPUT_FEATURES, FEATURE_LENGTHS)
+        totals, values, lengths = gather_features(batch, keys, self._name)
         if not values:
-            return [self._empty() for _ in batch]
+            return [empty_embedding(self._hidden_size, self.dtype, self.device) for _ in batch]
         frame_counts = torch.cat(lengths).to(self.device)
         with torch.inference_mode():
             if self._family == "qwen2_audio":
@@ -375,13 +315,8 @@ class QwenAudioModel:
                     aftercnn_lens=conv_lengths,
                 )
                 rows = output.last_hidden_state
-        pieces = split_embedding(rows, totals)
-        if rows.shape[1] != self._hidden_size:
-            raise InternalError(
-                f"Encoder produced {rows.shape[1]}-wide tokens, expected {self._hidden_size}"
-            )
-        # Outside inference mode: ordinary tensors, each with its own storage (see _qwen).
-        return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
+        # Split and cloned outside inference mode: ordinary tensors with their own storage.
+        return owned_pieces(rows, totals, self._hidden_size)
 
     def _qwen2_audio(self, values: torch.Tensor, frame_counts: torch.Tensor) -> torch.Tensor:
         """The rows ``Qwen2AudioModel`` scatters into the prompt: the encoder over padded
@@ -401,9 +336,6 @@ class QwenAudioModel:
         keep = torch.arange(projected.shape[1], device=self.device)[None, :] < tokens[:, None]
         return projected[keep]
 
-    def _empty(self) -> torch.Tensor:
-        return torch.empty((0, self._hidden_size), dtype=self.dtype, device=self.device)
-
     # --- checkpoints --------------------------------------------------------------------
 
     def save_pretrained(self, folder: str | Path) -> None:
@@ -420,7 +352,7 @@ class QwenAudioModel:
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self._fresh_extractor().save_pretrained(folder)
+        _extractor_from(self._extractor_config).save_pretrained(folder)
         if self._projector is None:
             self._encoder.save_pretrained(folder)
             return

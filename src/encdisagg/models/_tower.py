@@ -1,0 +1,214 @@
+"""What every model adapter shares around its tower: identity and cache-key hashing, one
+processor per thread, the request checks of ``preprocess`` and the batch plumbing of
+``forward``, and the properties that read the same in every family.
+
+Each adapter keeps only what is specific to it: its processor, its grids and token rule, and
+the call of its own tower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Generic, TypeVar
+
+import torch
+
+from .._errors import BadRequestError, InternalError
+from .._modality import Modality
+from ._media_limits import MediaLimits
+from ._protocol import Preprocessed, split_embedding
+
+__all__ = [
+    "PROVENANCE_KEYS",
+    "PerThread",
+    "TowerModel",
+    "architecture_json",
+    "checked_request",
+    "content_key",
+    "empty_embedding",
+    "gather_features",
+    "owned_pieces",
+    "state_digest",
+    "update_with_tensor",
+]
+
+_T = TypeVar("_T")
+
+# Config entries that say where a model came from or which library wrote it, not what it
+# computes; leaving them out of the identity keeps it equal across a save/load round trip.
+PROVENANCE_KEYS: Final = frozenset(
+    {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype"}
+)
+
+
+def update_with_tensor(digest: Any, tensor: torch.Tensor) -> None:
+    """Feed ``tensor``'s dtype, shape and bytes to ``digest``. Blocks on a copy to the CPU."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    digest.update(f"{flat.dtype}{tuple(tensor.shape)}".encode())
+    # Reinterpreted as bytes so dtypes numpy lacks (bfloat16) hash the same way.
+    digest.update(flat.view(torch.uint8).numpy().data)
+
+
+def architecture_json(config: Mapping[str, Any]) -> str:
+    """``config`` without its top-level provenance entries, as canonical JSON."""
+    kept = {key: value for key, value in config.items() if key not in PROVENANCE_KEYS}
+    return json.dumps(kept, sort_keys=True, default=str)
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """sha256 over a module's parameters and buffers (names, dtypes, shapes, bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        update_with_tensor(digest, tensor)
+    return digest.hexdigest()
+
+
+def content_key(
+    identity: str, features: Mapping[str, torch.Tensor], grid: tuple[tuple[int, ...], ...]
+) -> str:
+    """The ``cache_key`` of preprocessed input: sha256 over the model's identity, the grid
+    and every feature tensor. Blocks on hashing the features."""
+    digest = hashlib.sha256()
+    digest.update(identity.encode())
+    digest.update(json.dumps(grid).encode())
+    for key in sorted(features):
+        digest.update(key.encode())
+        update_with_tensor(digest, features[key])
+    return digest.hexdigest()
+
+
+class PerThread(Generic[_T]):
+    """One private copy of a third-party processor per thread.
+
+    Processors only read their settings today, but they are third-party code with attributes
+    any release could start caching into; a copy per thread keeps concurrent ``preprocess``
+    calls independent. ``fresh`` builds a copy; it must not hold the adapter (no cycle).
+    """
+
+    def __init__(self, first: _T, fresh: Callable[[], _T]) -> None:
+        self._fresh = fresh
+        self._threads = threading.local()
+        self._threads.value = first
+
+    def get(self) -> _T:
+        """This thread's copy, built on its first call in the thread. Does not block."""
+        value: _T | None = getattr(self._threads, "value", None)
+        if value is None:
+            value = self._fresh()
+            self._threads.value = value
+        return value
+
+
+def checked_request(
+    items: object, modality: Modality | str, supported: frozenset[Modality], name: str
+) -> Modality:
+    """The parsed ``modality`` of a request, once it and ``items`` fit the model.
+
+    :raises BadRequestError: naming ``modality`` for one not in ``supported``, ``mm_items``
+        if ``items`` is not a list.
+    """
+    modality = Modality.parse(modality)
+    if modality not in supported:
+        listed = ", ".join(sorted(m.value for m in supported))
+        raise BadRequestError(
+            f"modality {modality.value!r} is not supported by model {name!r} (supported: {listed})"
+        )
+    if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
+        raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
+    return modality
+
+
+def gather_features(
+    batch: Sequence[Preprocessed], keys: tuple[str, str], name: str
+) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """Each element's token total, and the two feature tensors ``keys`` name of every
+    element with tokens, in batch order. Does not block.
+
+    :raises InternalError: if an element with tokens lacks either feature.
+    """
+    first_key, second_key = keys
+    totals: list[int] = []
+    firsts: list[torch.Tensor] = []
+    seconds: list[torch.Tensor] = []
+    for number, element in enumerate(batch):
+        totals.append(element.num_tokens)
+        if not element.token_counts:
+            continue
+        first = element.features.get(first_key)
+        second = element.features.get(second_key)
+        if not isinstance(first, torch.Tensor) or not isinstance(second, torch.Tensor):
+            raise InternalError(
+                f"batch[{number}] has no {first_key}/{second_key} features; "
+                f"it was not preprocessed by model {name!r}"
+            )
+        firsts.append(first)
+        seconds.append(second)
+    return totals, firsts, seconds
+
+
+def owned_pieces(
+    rows: torch.Tensor, totals: Sequence[int], width: int | None = None
+) -> list[torch.Tensor]:
+    """``rows`` split into one piece per element, each a tensor of its own. Blocks on the
+    copies.
+
+    :raises InternalError: if ``rows`` does not have ``sum(totals)`` rows, or (given
+        ``width``) is not ``width`` wide.
+    """
+    pieces = split_embedding(rows, totals)
+    if width is not None and rows.shape[1] != width:
+        raise InternalError(f"Encoder produced {rows.shape[1]}-wide tokens, expected {width}")
+    # Cloning outside inference mode gives ordinary tensors (inference tensors refuse
+    # in-place updates anywhere else), each with its own storage, so staging or freeing
+    # one request's embedding neither keeps its batch-mates' memory alive nor aliases it.
+    return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
+
+
+def empty_embedding(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``[0, width]`` embedding of an element without tokens. Does not block."""
+    return torch.empty((0, width), dtype=dtype, device=device)
+
+
+class TowerModel:
+    """The properties every adapter has in common; a subclass sets ``_name``,
+    ``_identity``, ``_limits`` and ``_weights`` (the module whose dtype and device the
+    embeddings have) in its constructor."""
+
+    _name: str
+    _identity: str
+    _limits: MediaLimits
+    _weights: Any
+
+    #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
+    accepts_media_limits: Final = True
+
+    @property
+    def name(self) -> str:
+        """The built-in name or checkpoint folder this model was loaded from."""
+        return self._name
+
+    @property
+    def identity(self) -> str:
+        """sha256 over the architecture, processor settings and weights; part of cache keys."""
+        return self._identity
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype, which the embeddings have too."""
+        dtype: torch.dtype = self._weights.dtype
+        return dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs and its embeddings are returned."""
+        device: torch.device = self._weights.device
+        return device
+
+    @property
+    def media_limits(self) -> MediaLimits:
+        """The budgets ``preprocess`` applies when its caller passes none."""
+        return self._limits
