@@ -33,6 +33,15 @@ from transformers.models.qwen2_audio.modeling_qwen2_audio import (
 )
 
 from .._errors import BadRequestError
+from ._checkpoint import (
+    cast_weights,
+    declared_dtype,
+    from_checkpoint,
+    move_to,
+    read_json,
+    refuse_missing,
+    require_preprocessor,
+)
 from ._media_policy import MediaPolicy
 from ._qwen_audio import QwenAudioModel
 from ._tiny_audio import (
@@ -78,16 +87,6 @@ _OMNI_KEYS: Final = {
 _PROJECTOR_PREFIXES: Final = ("multi_modal_projector.", "model.multi_modal_projector.")
 
 
-def _read_config(folder: Path, name: str) -> dict[str, Any]:
-    try:
-        data = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise BadRequestError(f"model: cannot read config.json of {name!r}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise BadRequestError(f"model: config.json of {name!r} is not a JSON object")
-    return data
-
-
 def is_audio_model(name: str) -> bool:
     """Whether ``name`` is a built-in audio model or a folder holding an audio checkpoint.
     Blocks on one small file read."""
@@ -101,19 +100,6 @@ def is_audio_model(name: str) -> bool:
     except (OSError, ValueError, AttributeError):
         return False  # the vision loader reports the unreadable file
     return model_type in AUDIO_MODEL_TYPES
-
-
-def _declared_dtype(config: dict[str, Any]) -> torch.dtype | None:
-    from ._loading import parse_dtype
-
-    for source in (config.get("audio_config") or {}, config):
-        declared = source.get("dtype") or source.get("torch_dtype")
-        if isinstance(declared, str):
-            try:
-                return parse_dtype(declared)
-            except BadRequestError:
-                return None
-    return None
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -162,11 +148,10 @@ def _encoder_config(config: dict[str, Any], name: str) -> Qwen2_5OmniAudioEncode
 
 
 def _load_folder(folder: Path, name: str, dtype: torch.dtype | None) -> tuple[_Parts, Any]:
-    config = _read_config(folder, name)
+    config = read_json(folder / "config.json", name)
     model_type = config.get("model_type")
-    if not (folder / "preprocessor_config.json").is_file():
-        raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
-    dtype = dtype or _declared_dtype(config) or torch.float32
+    require_preprocessor(folder, name)
+    dtype = dtype or declared_dtype(config, "audio_config") or torch.float32
     projector: torch.nn.Module | None = None
     try:
         extractor = WhisperFeatureExtractor.from_pretrained(folder, local_files_only=True)
@@ -180,26 +165,14 @@ def _load_folder(folder: Path, name: str, dtype: torch.dtype | None) -> tuple[_P
         else:
             encoder_class, encoder_config = Qwen2_5OmniAudioEncoder, _encoder_config(config, name)
             keys, saved = _OMNI_KEYS, {}
-        encoder, info = encoder_class.from_pretrained(
-            folder,
-            config=encoder_config,
-            dtype=dtype,
-            local_files_only=True,
-            key_mapping=keys,
-            use_safetensors=True,  # never unpickle weight files
-            output_loading_info=True,
+        encoder, info = from_checkpoint(
+            encoder_class, folder, config=encoder_config, dtype=dtype, key_mapping=keys
         )
     except BadRequestError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadRequestError(f"model: cannot load checkpoint {name!r}: {exc}") from exc
-    # Missing weights would be filled with random ones, and only logged: refuse instead.
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        shown = ", ".join(missing[:5])
-        raise BadRequestError(
-            f"model: checkpoint {name!r} lacks {len(missing)} audio encoder weights ({shown})"
-        )
+    refuse_missing(info, name, "audio encoder")
     return (encoder, projector, saved), extractor
 
 
@@ -214,24 +187,17 @@ def load_audio_model(
     :raises BadRequestError: naming ``model`` for an unloadable checkpoint, ``device`` for a
         device it cannot use.
     """
-    from ._loading import _cast_weights
-
     if name in _BUILDERS:
         parts = _BUILDERS[name]()
         extractor = tiny_audio_feature_extractor()
         if dtype is not None:
             for module in parts[:2]:
                 if module is not None:
-                    _cast_weights(module, dtype)
+                    cast_weights(module, dtype)
     else:
         parts, extractor = _load_folder(Path(name).expanduser(), name, dtype)
     encoder, projector, saved = parts
-    try:
-        for module in (encoder, projector):
-            if module is not None:
-                module.to(device)
-    except (RuntimeError, AssertionError) as exc:  # e.g. no CUDA in this build or machine
-        raise BadRequestError(f"device: cannot use {str(device)!r}: {exc}") from exc
+    move_to([encoder, projector], device, str(device))
     return QwenAudioModel(
         encoder,
         extractor,

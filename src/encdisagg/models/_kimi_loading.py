@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import torch
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
 
 from .._errors import BadRequestError
+from ._checkpoint import (
+    cast_weights,
+    declared_dtype,
+    from_checkpoint,
+    move_to,
+    read_json,
+    refuse_missing,
+    require_preprocessor,
+)
 from ._kimi import KimiK25VisionEncoder, KimiVisionModel
 from ._kimi_processor import Kimi_K25ImageProcessorPil
-from ._loading import _cast_weights, _declared_dtype, _move, _read_json
 from ._media import MediaPolicy
 from ._tiny_kimi import build_tiny_kimi_k25
 
@@ -34,7 +42,7 @@ def is_kimi_checkpoint(folder: Path) -> bool:
     if not path.is_file():
         return False
     try:
-        return _read_json(path, str(folder)).get("model_type") == KIMI_MODEL_TYPE
+        return read_json(path, str(folder)).get("model_type") == KIMI_MODEL_TYPE
     except BadRequestError:
         return False
 
@@ -42,32 +50,22 @@ def is_kimi_checkpoint(folder: Path) -> bool:
 def _load_folder(
     folder: Path, name: str, dtype: torch.dtype | None
 ) -> tuple[KimiK25VisionEncoder, Kimi_K25ImageProcessorPil]:
-    config = _read_json(folder / "config.json", name)
-    if not (folder / "preprocessor_config.json").is_file():
-        raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
-    dtype = dtype or _declared_dtype(config) or torch.float32
+    config = read_json(folder / "config.json", name)
+    require_preprocessor(folder, name)
+    dtype = dtype or declared_dtype(config, "vision_config") or torch.float32
     try:
         kimi_config = Kimi_K25Config.from_pretrained(folder, local_files_only=True)
-        loader: Any = KimiK25VisionEncoder  # from_pretrained's annotations hide the pair
-        encoder, info = loader.from_pretrained(
+        encoder, info = from_checkpoint(
+            KimiK25VisionEncoder,
             folder,
             config=kimi_config,
             dtype=dtype,
-            local_files_only=True,
             key_mapping=_FULL_CHECKPOINT_KEYS,
-            use_safetensors=True,  # never unpickle weight files
-            output_loading_info=True,
         )
         processor = Kimi_K25ImageProcessorPil.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadRequestError(f"model: cannot load checkpoint {name!r}: {exc}") from exc
-    # As for the Qwen towers: random weights in place of missing ones would serve noise.
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        shown = ", ".join(missing[:5])
-        raise BadRequestError(
-            f"model: checkpoint {name!r} lacks {len(missing)} vision encoder weights ({shown})"
-        )
+    refuse_missing(info, name, "vision encoder")
     return encoder, processor
 
 
@@ -89,11 +87,8 @@ def load_kimi(
         encoder = build_tiny_kimi_k25()
         processor = Kimi_K25ImageProcessorPil()
         if dtype is not None:
-            _cast_weights(encoder, dtype)
+            cast_weights(encoder, dtype)
     else:
         encoder, processor = _load_folder(Path(name).expanduser(), name, dtype)
-    try:
-        _move(encoder, device)
-    except (RuntimeError, AssertionError) as exc:
-        raise BadRequestError(f"device: cannot use {str(device)!r}: {exc}") from exc
+    move_to([encoder], device, str(device))
     return KimiVisionModel(encoder, processor, name=name, media=media)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import functools
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -23,6 +22,16 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVis
 
 from .._errors import BadRequestError
 from ._audio_loading import AUDIO_BUILTIN_MODELS, is_audio_model, load_audio_model
+from ._checkpoint import (
+    cast_weights,
+    declared_dtype,
+    from_checkpoint,
+    move_to,
+    parse_dtype,
+    read_json,
+    refuse_missing,
+    require_preprocessor,
+)
 from ._hub import resolve_hub_model
 from ._kimi import KimiVisionModel
 from ._media import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
@@ -65,52 +74,6 @@ _TOWERS: Final[dict[str, tuple[Any, Any]]] = {
 }
 _FULL_CHECKPOINT_KEYS: Final = {r"^model\.visual\.": "", r"^visual\.": ""}
 
-_DTYPE_ALIASES: Final = {
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-}
-
-
-def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    """``"bfloat16"``, ``"bf16"``, ``torch.float16``... → a floating torch dtype; ``None`` and
-    ``"auto"`` → ``None`` (the checkpoint's own dtype). Does not block.
-
-    :raises BadRequestError: naming ``dtype`` for anything else.
-    """
-    if value is None or value == "auto":
-        return None
-    dtype: object = value
-    if isinstance(value, str):
-        name = value.strip().lower().removeprefix("torch.")
-        dtype = _DTYPE_ALIASES.get(name, getattr(torch, name, None))
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise BadRequestError(f"dtype must be a floating-point torch dtype; got {value!r}")
-    return dtype
-
-
-def _move(module: torch.nn.Module, where: torch.dtype | torch.device) -> None:
-    # In place, through the base class: transformers' wrapper of ``to`` hides its type.
-    module.to(where)
-
-
-def _cast_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast parameters and saved buffers, as loading a checkpoint in ``dtype`` would.
-
-    ``module.to(dtype)`` would also cast the unsaved buffers (the rotary ``inv_freq``), which
-    transformers computes and keeps in float32; a bfloat16 copy of them changes the output,
-    so a saved and reloaded model would no longer match the one that wrote it.
-    """
-    saved = set(module.state_dict())
-    for prefix, submodule in module.named_modules():
-        for name, buffer in list(submodule.named_buffers(recurse=False)):
-            if f"{prefix}.{name}".lstrip(".") in saved and buffer.is_floating_point():
-                submodule.register_buffer(name, buffer.to(dtype))
-    for parameter in module.parameters():
-        parameter.data = parameter.data.to(dtype)
-
 
 def _parse_device(device: str) -> torch.device:
     try:
@@ -119,32 +82,11 @@ def _parse_device(device: str) -> torch.device:
         raise BadRequestError(f"device: invalid device {device!r}: {exc}") from exc
 
 
-def _read_json(path: Path, name: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise BadRequestError(f"model: cannot read {path.name} of {name!r}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise BadRequestError(f"model: {path.name} of {name!r} is not a JSON object")
-    return data
-
-
-def _declared_dtype(config: dict[str, Any]) -> torch.dtype | None:
-    for source in (config.get("vision_config") or {}, config):
-        declared = source.get("dtype") or source.get("torch_dtype")
-        if isinstance(declared, str):
-            try:
-                return parse_dtype(declared)
-            except BadRequestError:
-                return None
-    return None
-
-
 def _video_limits(folder: Path, name: str) -> tuple[int, int]:
     path = folder / VIDEO_CONFIG_NAME
     if not path.is_file():
         return VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS
-    config = _read_json(path, name)
+    config = read_json(path, name)
     size = config.get("size") or {}
     low = size.get("shortest_edge", config.get("min_pixels", VIDEO_MIN_PIXELS))
     high = size.get("longest_edge", config.get("max_pixels", VIDEO_MAX_PIXELS))
@@ -171,42 +113,39 @@ def _vision_only(tower_class: Any) -> Any:
 
 
 def _load_folder(
-    folder: Path, name: str, dtype: torch.dtype | None
+    folder: Path,
+    name: str,
+    dtype: torch.dtype | None,
+    towers: Mapping[str, tuple[Any, Any]],
+    video_defaults: tuple[int, int],
 ) -> tuple[PreTrainedModel, Qwen2VLImageProcessorPil, tuple[int, int]]:
-    config = _read_json(folder / "config.json", name)
+    """The tower ``towers`` names for the folder's model type, its image processor and its
+    video pixel limits (``video_defaults`` without a video processor config)."""
+    config = read_json(folder / "config.json", name)
     model_type = config.get("model_type")
-    if model_type not in _TOWERS:
+    if not isinstance(model_type, str) or model_type not in towers:
         raise BadRequestError(
             f"model: {name!r} is a {model_type!r} checkpoint; supported model types are "
-            f"{', '.join(_TOWERS)}"
+            f"{', '.join(towers)}"
         )
-    if not (folder / "preprocessor_config.json").is_file():
-        raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
-    config_class, tower_class = _TOWERS[model_type]
-    tower_class = _vision_only(tower_class)
-    dtype = dtype or _declared_dtype(config) or torch.float32
+    require_preprocessor(folder, name)
+    config_class, tower_class = towers[model_type]
+    dtype = dtype or declared_dtype(config, "vision_config") or torch.float32
     try:
         vision_config = config_class.from_pretrained(folder, local_files_only=True)
-        tower, info = tower_class.from_pretrained(
+        tower, info = from_checkpoint(
+            _vision_only(tower_class),
             folder,
             config=vision_config,
             dtype=dtype,
-            local_files_only=True,
             key_mapping=_FULL_CHECKPOINT_KEYS,
-            use_safetensors=True,  # never unpickle weight files
-            output_loading_info=True,
         )
         processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadRequestError(f"model: cannot load checkpoint {name!r}: {exc}") from exc
-    # transformers fills missing weights with random ones and only logs it; a vision tower
-    # with random layers would serve noise, so refuse it.
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        shown = ", ".join(missing[:5])
-        raise BadRequestError(
-            f"model: checkpoint {name!r} lacks {len(missing)} vision tower weights ({shown})"
-        )
+    refuse_missing(info, name, "vision tower")
+    if not (folder / VIDEO_CONFIG_NAME).is_file():
+        return tower, processor, video_defaults
     return tower, processor, _video_limits(folder, name)
 
 
@@ -228,7 +167,7 @@ def _is_qwen3_vl(name: str) -> bool:
     path = Path(name).expanduser() / "config.json"
     if not path.is_file():
         return False
-    return _read_json(path, name).get("model_type") in _QWEN3_TOWERS
+    return read_json(path, name).get("model_type") in _QWEN3_TOWERS
 
 
 def _load_qwen3_vl(
@@ -239,40 +178,13 @@ def _load_qwen3_vl(
         tower = _BUILDERS[name]()
         processor = qwen3_vl_image_processor()
         if dtype is not None:
-            _cast_weights(tower, dtype)
+            cast_weights(tower, dtype)
     else:
         folder = Path(name).expanduser()
-        config = _read_json(folder / "config.json", name)
-        if not (folder / "preprocessor_config.json").is_file():
-            raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
-        config_class, tower_class = _QWEN3_TOWERS[config["model_type"]]
-        tower_class = _vision_only(tower_class)
-        try:
-            vision_config = config_class.from_pretrained(folder, local_files_only=True)
-            tower, info = tower_class.from_pretrained(
-                folder,
-                config=vision_config,
-                dtype=dtype or _declared_dtype(config) or torch.float32,
-                local_files_only=True,
-                key_mapping=_FULL_CHECKPOINT_KEYS,
-                use_safetensors=True,  # never unpickle weight files
-                output_loading_info=True,
-            )
-            processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise BadRequestError(f"model: cannot load checkpoint {name!r}: {exc}") from exc
-        missing = sorted(info.get("missing_keys") or ())
-        if missing:
-            raise BadRequestError(
-                f"model: checkpoint {name!r} lacks {len(missing)} vision tower weights "
-                f"({', '.join(missing[:5])})"
-            )
-        if (folder / VIDEO_CONFIG_NAME).is_file():
-            video_limits = _video_limits(folder, name)
-    try:
-        _move(tower, device)
-    except (RuntimeError, AssertionError) as exc:
-        raise BadRequestError(f"device: cannot use {str(device)!r}: {exc}") from exc
+        tower, processor, video_limits = _load_folder(
+            folder, name, dtype, _QWEN3_TOWERS, video_limits
+        )
+    move_to([tower], device, str(device))
     return Qwen3VisionModel(
         tower,
         processor,
@@ -350,7 +262,7 @@ def load_model(
         tower = _BUILDERS[name]()
         processor = Qwen2VLImageProcessorPil()
         if wanted_dtype is not None:
-            _cast_weights(tower, wanted_dtype)
+            cast_weights(tower, wanted_dtype)
     else:
         folder = Path(name).expanduser()
         if not folder.is_dir():
@@ -358,11 +270,10 @@ def load_model(
                 f"model: {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
                 "nor a checkpoint folder"
             )
-        tower, processor, video_limits = _load_folder(folder, name, wanted_dtype)
-    try:
-        _move(tower, target)
-    except (RuntimeError, AssertionError) as exc:  # e.g. no CUDA in this build or machine
-        raise BadRequestError(f"device: cannot use {device!r}: {exc}") from exc
+        tower, processor, video_limits = _load_folder(
+            folder, name, wanted_dtype, _TOWERS, video_limits
+        )
+    move_to([tower], target, device)
     return QwenVisionModel(
         tower,
         processor,
