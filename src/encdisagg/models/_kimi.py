@@ -11,8 +11,6 @@ exactly as ``Kimi_K25Model.get_image_features`` computes them; so one item of gr
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
@@ -29,8 +27,8 @@ from .._errors import BadRequestError, InternalError
 from .._modality import Modality
 from ._grids import kimi_grid_tokens
 from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule
-from ._media import MediaPolicy, item_label, load_image
-from ._media_limits import MediaLimits, PixelBudget, derived_image_pixels
+from ._media import MediaPolicy, load_image
+from ._media_limits import MediaLimits
 from ._protocol import Preprocessed
 from ._tower import (
     PROVENANCE_KEYS,
@@ -40,12 +38,16 @@ from ._tower import (
     content_key,
     empty_embedding,
     gather_features,
+    identity_digest,
+    image_patches,
     owned_pieces,
+    pixel_budget,
+    settings_json,
     state_digest,
 )
 
 if TYPE_CHECKING:
-    from PIL import Image
+    pass
 
 __all__ = ["KimiK25VisionEncoder", "KimiVisionModel"]
 
@@ -153,14 +155,12 @@ class KimiVisionModel(TowerModel):
         self._processors = PerThread(
             image_processor, lambda: Kimi_K25ImageProcessorPil.from_dict(dict(processor_config))
         )
-        identity = hashlib.sha256()
-        identity.update(b"kimi_k25")
-        identity.update(
-            json.dumps(_architecture(config.to_dict()), sort_keys=True, default=str).encode()
+        self._identity = identity_digest(
+            "kimi_k25",
+            settings_json(_architecture(config.to_dict())),
+            settings_json(self._processor_config),
+            state_digest(encoder),
         )
-        identity.update(json.dumps(self._processor_config, sort_keys=True, default=str).encode())
-        identity.update(state_digest(encoder).encode())
-        self._identity = identity.hexdigest()
 
     # --- identity and shape -------------------------------------------------------------
 
@@ -212,13 +212,13 @@ class KimiVisionModel(TowerModel):
             or that passes a budget.
         """
         checked_request(items, modality, self.modalities, self._name)
-        budget = self._budget(limits or self._limits, len(items))
+        budget = pixel_budget(limits or self._limits, len(items), self._rule, self._rule)
         processor = self._processors.get()
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
         for index, item in enumerate(items):
             image = load_image(item, index, self._media, budget=budget)
-            values, grid = self._image_patches(processor, image, index)
+            values, grid = image_patches(processor, image, index)
             pixel_values.append(values)
             grids.append(grid)
         if not grids:
@@ -236,22 +236,6 @@ class KimiVisionModel(TowerModel):
             features=features,
             cache_key=content_key(self._identity, features, rows),
         )
-
-    def _budget(self, limits: MediaLimits, count: int) -> PixelBudget:
-        limits.check_items(count)
-        image_pixels = limits.max_image_pixels or derived_image_pixels(self._rule.max_pixels)
-        return PixelBudget(
-            limits, image_pixels=image_pixels, image_rule=self._rule, video_rule=self._rule
-        )
-
-    def _image_patches(
-        self, processor: Kimi_K25ImageProcessorPil, image: Image.Image, index: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            out = processor(images=[image], return_tensors="pt")
-        except (ValueError, TypeError) as exc:
-            raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
-        return out[PIXEL_VALUES], out["image_grid_thw"]
 
     # --- forward ------------------------------------------------------------------------
 

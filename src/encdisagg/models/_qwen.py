@@ -12,7 +12,6 @@ grid ``(ceil(F / temporal_patch_size), h, w)``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ from .._modality import Modality
 from .._video_timing import VideoTiming, video_timing
 from ._grids import grid_tokens
 from ._media import MediaPolicy, item_label, load_image, load_video
-from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
+from ._media_limits import MediaLimits, ResizeRule
 from ._protocol import Preprocessed
 from ._tower import (
     PerThread,
@@ -36,7 +35,11 @@ from ._tower import (
     content_key,
     empty_embedding,
     gather_features,
+    identity_digest,
+    image_patches,
     owned_pieces,
+    pixel_budget,
+    settings_json,
     state_digest,
 )
 from ._video_items import video_source
@@ -137,13 +140,13 @@ class QwenVisionModel(TowerModel):
         self._processors = PerThread(
             image_processor, lambda: Qwen2VLImageProcessorPil.from_dict(dict(config))
         )
-        identity = hashlib.sha256()
-        identity.update(model_type.encode())
-        identity.update(architecture_json(tower.config.to_dict()).encode())
-        identity.update(json.dumps(self._processor_config, sort_keys=True, default=str).encode())
-        identity.update(json.dumps(self._video_size, sort_keys=True).encode())
-        identity.update(state_digest(tower).encode())
-        self._identity = identity.hexdigest()
+        self._identity = identity_digest(
+            model_type,
+            architecture_json(tower.config.to_dict()),
+            settings_json(self._processor_config),
+            json.dumps(self._video_size, sort_keys=True),
+            state_digest(tower),
+        )
 
     # --- identity and shape -------------------------------------------------------------
 
@@ -196,7 +199,9 @@ class QwenVisionModel(TowerModel):
             or that passes a budget.
         """
         modality = checked_request(items, modality, self.modalities, self._name)
-        budget = self._budget(limits or self._limits, len(items))
+        budget = pixel_budget(
+            limits or self._limits, len(items), self._image_rule, self._video_rule
+        )
         processor = self._processors.get()
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
@@ -204,7 +209,7 @@ class QwenVisionModel(TowerModel):
         for index, item in enumerate(items):
             if modality is Modality.IMAGE:
                 image = load_image(item, index, self._media, budget=budget)
-                values, grid = self._image_patches(processor, image, index)
+                values, grid = image_patches(processor, image, index)
             else:
                 source, fps = video_source(item, index)
                 times: list[float] = []
@@ -233,25 +238,6 @@ class QwenVisionModel(TowerModel):
             cache_key=content_key(self._identity, features, rows),
             video_timing=tuple(timings) if modality is Modality.VIDEO else None,
         )
-
-    def _budget(self, limits: MediaLimits, count: int) -> PixelBudget:
-        limits.check_items(count)
-        image_pixels = limits.max_image_pixels or derived_image_pixels(self._image_rule.max_pixels)
-        return PixelBudget(
-            limits,
-            image_pixels=image_pixels,
-            image_rule=self._image_rule,
-            video_rule=self._video_rule,
-        )
-
-    def _image_patches(
-        self, processor: Qwen2VLImageProcessorPil, image: Image.Image, index: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            out = processor(images=[image], return_tensors="pt")
-        except (ValueError, TypeError) as exc:  # e.g. an aspect ratio above 200
-            raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
-        return out[PIXEL_VALUES], out["image_grid_thw"]
 
     def _video_patches(
         self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int

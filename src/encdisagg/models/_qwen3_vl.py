@@ -19,7 +19,6 @@ frames are paired along the temporal axis (the last one repeated to fill the fin
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from .._video_timing import VideoTiming, video_timing
 from ..transfer import EmbeddingLayout, deepstack_layout
 from ._grids import grid_tokens
 from ._media import MediaPolicy, item_label, load_image, load_video
-from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
+from ._media_limits import MediaLimits, ResizeRule
 from ._protocol import Preprocessed
 from ._qwen import _FRAMES_PER_CALL, GRID_THW, PIXEL_VALUES, VIDEO_CONFIG_NAME
 from ._tower import (
@@ -47,7 +46,11 @@ from ._tower import (
     content_key,
     empty_embedding,
     gather_features,
+    identity_digest,
+    image_patches,
     owned_pieces,
+    pixel_budget,
+    settings_json,
     state_digest,
 )
 from ._video_items import video_source
@@ -139,13 +142,13 @@ class Qwen3VisionModel(TowerModel):
         self._processors = PerThread(
             image_processor, lambda: Qwen2VLImageProcessorPil.from_dict(dict(processor_config))
         )
-        identity = hashlib.sha256()
-        identity.update(model_type.encode())
-        identity.update(architecture_json(config.to_dict()).encode())
-        identity.update(json.dumps(self._processor_config, sort_keys=True, default=str).encode())
-        identity.update(json.dumps(self._video_pixels).encode())
-        identity.update(state_digest(tower).encode())
-        self._identity = identity.hexdigest()
+        self._identity = identity_digest(
+            model_type,
+            architecture_json(config.to_dict()),
+            settings_json(self._processor_config),
+            json.dumps(self._video_pixels),
+            state_digest(tower),
+        )
 
     # --- identity and shape -------------------------------------------------------------
 
@@ -210,14 +213,8 @@ class Qwen3VisionModel(TowerModel):
             this model does not take, cannot decode or that passes a budget.
         """
         modality = checked_request(items, modality, self.modalities, self._name)
-        limits = limits or self._limits
-        limits.check_items(len(items))
-        budget = PixelBudget(
-            limits,
-            image_pixels=limits.max_image_pixels
-            or derived_image_pixels(self._image_rule.max_pixels),
-            image_rule=self._image_rule,
-            video_rule=self._video_rule,
+        budget = pixel_budget(
+            limits or self._limits, len(items), self._image_rule, self._video_rule
         )
         processor = self._processors.get()
         pixel_values: list[torch.Tensor] = []
@@ -226,7 +223,7 @@ class Qwen3VisionModel(TowerModel):
         for index, item in enumerate(items):
             if modality is Modality.IMAGE:
                 image = load_image(item, index, self._media, budget=budget)
-                values, grid = self._image_patches(processor, image, index)
+                values, grid = image_patches(processor, image, index)
             else:
                 source, fps = video_source(item, index)
                 times: list[float] = []
@@ -251,15 +248,6 @@ class Qwen3VisionModel(TowerModel):
             cache_key=content_key(self._identity, features, rows),
             video_timing=tuple(timings) if modality is Modality.VIDEO else None,
         )
-
-    def _image_patches(
-        self, processor: Qwen2VLImageProcessorPil, image: Image.Image, index: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            out = processor(images=[image], return_tensors="pt")
-        except (ValueError, TypeError) as exc:  # e.g. an aspect ratio above 200
-            raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
-        return out[PIXEL_VALUES], out["image_grid_thw"]
 
     def video_frame_size(self, frames: int, height: int, width: int) -> tuple[int, int]:
         """``(height, width)`` every frame of a ``frames``-frame clip is resized to: the rule of

@@ -19,7 +19,6 @@ the token count follows.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -44,7 +43,9 @@ from ._tower import (
     content_key,
     empty_embedding,
     gather_features,
+    identity_digest,
     owned_pieces,
+    settings_json,
     state_digest,
 )
 
@@ -153,14 +154,12 @@ class QwenAudioModel(TowerModel):
             self._hidden_size = int(encoder.config.output_dim)
         extractor_config = dict(self._extractor_config)
         self._extractors = PerThread(feature_extractor, lambda: _extractor_from(extractor_config))
-        identity = hashlib.sha256()
-        identity.update(model_type.encode())
-        identity.update(architecture_json(encoder.config.to_dict()).encode())
-        identity.update(json.dumps(self._extractor_config, sort_keys=True, default=str).encode())
-        identity.update(state_digest(encoder).encode())
-        if projector is not None:
-            identity.update(state_digest(projector).encode())
-        self._identity = identity.hexdigest()
+        self._identity = identity_digest(
+            model_type,
+            architecture_json(encoder.config.to_dict()),
+            settings_json(self._extractor_config),
+            *(state_digest(module) for module in (encoder, projector) if module is not None),
+        )
 
     # --- identity and shape -------------------------------------------------------------
 

@@ -12,14 +12,18 @@ import hashlib
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import torch
 
 from .._errors import BadRequestError, InternalError
 from .._modality import Modality
-from ._media_limits import MediaLimits
+from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
+from ._media_policy import item_label
 from ._protocol import Preprocessed, split_embedding
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 __all__ = [
     "PROVENANCE_KEYS",
@@ -30,7 +34,11 @@ __all__ = [
     "content_key",
     "empty_embedding",
     "gather_features",
+    "identity_digest",
+    "image_patches",
     "owned_pieces",
+    "pixel_budget",
+    "settings_json",
     "state_digest",
     "update_with_tensor",
 ]
@@ -64,6 +72,20 @@ def state_digest(module: torch.nn.Module) -> str:
     for name, tensor in sorted(module.state_dict().items()):
         digest.update(name.encode())
         update_with_tensor(digest, tensor)
+    return digest.hexdigest()
+
+
+def settings_json(settings: Mapping[str, Any]) -> str:
+    """A processor's settings as canonical JSON (what identities hash)."""
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
+def identity_digest(*parts: str) -> str:
+    """sha256 over ``parts`` in order: a model's identity from its type, architecture,
+    processor settings and weight digests. Does not block."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode())
     return digest.hexdigest()
 
 
@@ -120,6 +142,35 @@ def checked_request(
     if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Sequence):
         raise BadRequestError(f"mm_items must be a list; got {type(items).__name__}")
     return modality
+
+
+def pixel_budget(
+    limits: MediaLimits, count: int, image_rule: ResizeRule, video_rule: ResizeRule
+) -> PixelBudget:
+    """The pixel budget of one request of ``count`` items under ``limits``; without a
+    configured per-image limit, images may be as large as ``image_rule`` keeps them.
+
+    :raises BadRequestError: naming ``mm_items`` for more than ``limits.max_items``.
+    """
+    limits.check_items(count)
+    image_pixels = limits.max_image_pixels or derived_image_pixels(image_rule.max_pixels)
+    return PixelBudget(
+        limits, image_pixels=image_pixels, image_rule=image_rule, video_rule=video_rule
+    )
+
+
+def image_patches(processor: Any, image: Image.Image, index: int) -> tuple[Any, Any]:
+    """One image through an image processor: its ``pixel_values`` and ``image_grid_thw``.
+    Blocks on the processor's CPU work.
+
+    :raises BadRequestError: naming ``mm_items[index]`` for an image the processor refuses
+        (e.g. an aspect ratio above 200).
+    """
+    try:
+        out = processor(images=[image], return_tensors="pt")
+    except (ValueError, TypeError) as exc:
+        raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
+    return out["pixel_values"], out["image_grid_thw"]
 
 
 def gather_features(
