@@ -27,6 +27,13 @@ from ._grids import grid_tokens
 from ._media import MediaPolicy, item_label, load_image, load_video
 from ._media_limits import MediaLimits, ResizeRule
 from ._protocol import Preprocessed
+from ._qwen_video import (
+    GRID_THW,
+    PIXEL_VALUES,
+    VIDEO_CONFIG_NAME,
+    check_frame_sizes,
+    paired_frames,
+)
 from ._tower import (
     PerThread,
     TowerModel,
@@ -53,13 +60,6 @@ __all__ = ["QwenVisionModel", "VIDEO_MAX_PIXELS", "VIDEO_MIN_PIXELS"]
 # Qwen2VLVideoProcessor's defaults: frames are resized to between 128 and 768 merged patches.
 VIDEO_MIN_PIXELS: Final = 128 * 28 * 28
 VIDEO_MAX_PIXELS: Final = 768 * 28 * 28
-VIDEO_CONFIG_NAME: Final = "video_preprocessor_config.json"
-#: Video frames handed to the image processor per call.
-_FRAMES_PER_CALL: Final = 8
-
-# Keys of ``Preprocessed.features`` this model writes and reads.
-PIXEL_VALUES: Final = "pixel_values"
-GRID_THW: Final = "grid_thw"
 
 _OUTPUT_WIDTH_KEYS: Final = {
     "qwen2_vl_vision": "hidden_size",  # Qwen2-VL: the merger's output width
@@ -243,46 +243,9 @@ class QwenVisionModel(TowerModel):
         self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         label = item_label(index)
-        first = frames[0].size
-        for number, frame in enumerate(frames):
-            if frame.size != first:
-                raise BadRequestError(
-                    f"{label}[{number}]: frame is {frame.size[0]}x{frame.size[1]}, but the "
-                    f"video's first frame is {first[0]}x{first[1]}"
-                )
-        temporal = int(processor.temporal_patch_size)
-        patch = int(processor.patch_size)
-        frame_count = len(frames)
-        grid_h = grid_w = channels = 0
-        kept: list[torch.Tensor] = []
-        # A few frames per processor call: its float copies of a whole long video at once
-        # would cost several times the memory of the result (each frame is independent).
-        for start in range(0, frame_count, _FRAMES_PER_CALL):
-            chunk = frames[start : start + _FRAMES_PER_CALL]
-            try:
-                out = processor(images=chunk, size=self._video_size, return_tensors="pt")
-            except (ValueError, TypeError) as exc:
-                raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
-            per_frame: torch.Tensor = out[PIXEL_VALUES]
-            _, grid_h, grid_w = (int(size) for size in out["image_grid_thw"][0].tolist())
-            channels = per_frame.shape[1] // (temporal * patch * patch)
-            # The image processor repeats each frame over the temporal slots of its patch;
-            # keep one slot per frame: [frames, patches, channels, patch*patch].
-            shaped = per_frame.view(len(chunk), grid_h * grid_w, channels, temporal, patch * patch)
-            kept.append(shaped[:, :, :, 0].contiguous())
-            del out, per_frame, shaped
-        patches = grid_h * grid_w
-        single = torch.cat(kept) if len(kept) > 1 else kept[0]
-        del kept
-        if pad := -frame_count % temporal:
-            single = torch.cat([single, single[-1:].expand(pad, -1, -1, -1)])
-        grid_t = single.shape[0] // temporal
-        # [t, temporal, patches, C, P] -> [t, patches, C, temporal, P]: the video processor's
-        # order (channel, then time, then the pixels of the patch) in each flattened row.
-        stacked = single.view(grid_t, temporal, patches, channels, patch * patch)
-        values = stacked.permute(0, 2, 3, 1, 4).reshape(grid_t * patches, -1).contiguous()
-        grid = torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.int64)
-        return values, grid
+        check_frame_sizes(frames, label)
+        # Each frame sized on its own, within the video processor's per-frame pixel limits.
+        return paired_frames(processor, frames, label, size=self._video_size)
 
     # --- forward ------------------------------------------------------------------------
 

@@ -37,7 +37,13 @@ from ._grids import grid_tokens
 from ._media import MediaPolicy, item_label, load_image, load_video
 from ._media_limits import MediaLimits, ResizeRule
 from ._protocol import Preprocessed
-from ._qwen import _FRAMES_PER_CALL, GRID_THW, PIXEL_VALUES, VIDEO_CONFIG_NAME
+from ._qwen_video import (
+    GRID_THW,
+    PIXEL_VALUES,
+    VIDEO_CONFIG_NAME,
+    check_frame_sizes,
+    paired_frames,
+)
 from ._tower import (
     PerThread,
     TowerModel,
@@ -274,47 +280,14 @@ class Qwen3VisionModel(TowerModel):
         self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         label = item_label(index)
-        first = frames[0].size
-        for number, frame in enumerate(frames):
-            if frame.size != first:
-                raise BadRequestError(
-                    f"{label}[{number}]: frame is {frame.size[0]}x{frame.size[1]}, but the "
-                    f"video's first frame is {first[0]}x{first[1]}"
-                )
+        check_frame_sizes(frames, label)
+        width, height = frames[0].size
         try:
-            height, width = self.video_frame_size(len(frames), first[1], first[0])
+            height, width = self.video_frame_size(len(frames), height, width)
         except ValueError as exc:
             raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
-        temporal, patch = self._temporal, self._patch_size
-        grid_h, grid_w = height // patch, width // patch
-        kept: list[torch.Tensor] = []
-        channels = 0
-        for start in range(0, len(frames), _FRAMES_PER_CALL):
-            chunk = [
-                frame.resize((width, height), Image.Resampling.BICUBIC)
-                for frame in frames[start : start + _FRAMES_PER_CALL]
-            ]
-            try:
-                out = processor(images=chunk, do_resize=False, return_tensors="pt")
-            except (ValueError, TypeError) as exc:
-                raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
-            per_frame: torch.Tensor = out[PIXEL_VALUES]
-            channels = per_frame.shape[1] // (temporal * patch * patch)
-            # Each frame fills every temporal slot of its patch; keep one slot per frame.
-            shaped = per_frame.view(len(chunk), grid_h * grid_w, channels, temporal, patch * patch)
-            kept.append(shaped[:, :, :, 0].contiguous())
-            del out, per_frame, shaped
-        single = torch.cat(kept) if len(kept) > 1 else kept[0]
-        del kept
-        if pad := -len(frames) % temporal:
-            single = torch.cat([single, single[-1:].expand(pad, -1, -1, -1)])
-        grid_t = single.shape[0] // temporal
-        patches = grid_h * grid_w
-        # [t, temporal, patches, C, P] -> [t, patches, C, temporal, P]: the video processor's
-        # order (channel, then time, then the pixels of the patch) in each flattened row.
-        stacked = single.view(grid_t, temporal, patches, channels, patch * patch)
-        values = stacked.permute(0, 2, 3, 1, 4).reshape(grid_t * patches, -1).contiguous()
-        return values, torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.int64)
+        # One size for the whole clip (its pixel budget), applied before the processor.
+        return paired_frames(processor, frames, label, resize_to=(width, height), do_resize=False)
 
     # --- forward ------------------------------------------------------------------------
 
