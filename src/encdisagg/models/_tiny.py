@@ -13,7 +13,8 @@ they were initialised with.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from transformers import (
@@ -45,9 +46,22 @@ _EOS_TOKEN_ID = 2
 _PAD_TOKEN_ID = 0
 
 
-def _evaluation_mode(module: torch.nn.Module) -> None:
-    # Module.eval via the base class: transformers' own annotations hide its type.
-    module.train(False)
+_M = TypeVar("_M", bound=torch.nn.Module)
+
+
+def seeded_build(build: Callable[[], _M], seed: int) -> _M:
+    """``build()`` under torch seed ``seed``, in eval mode. Blocks on the build.
+
+    The global torch RNG state is saved and restored around the build, so callers' random
+    streams are undisturbed; the build itself must not race with other users of the global
+    CPU generator in other threads.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build()
+    module: torch.nn.Module = model
+    module.train(False)  # Module.eval via the base class, whose annotations mypy sees
+    return model
 
 
 def _text_config() -> dict[str, Any]:
@@ -115,17 +129,9 @@ def build_tiny_qwen2_vl(*, seed: int = TINY_SEED) -> Qwen2VLForConditionalGenera
     streams are undisturbed; the build itself must not race with other users of the global
     CPU generator in other threads.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(tiny_qwen2_vl_config())
-    _evaluation_mode(model)
-    return model
+    return seeded_build(lambda: Qwen2VLForConditionalGeneration(tiny_qwen2_vl_config()), seed)
 
 
 def build_tiny_qwen2_5_vl(*, seed: int = TINY_SEED) -> Qwen2_5_VLForConditionalGeneration:
     """Build the seeded full tiny Qwen2.5-VL; see :func:`build_tiny_qwen2_vl`."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config())
-    _evaluation_mode(model)
-    return model
+    return seeded_build(lambda: Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config()), seed)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from transformers import (
     Qwen2AudioConfig,
     Qwen2AudioForConditionalGeneration,
@@ -27,7 +26,7 @@ from transformers.models.qwen2_5_omni import (
     Qwen2_5OmniThinkerForConditionalGeneration,
 )
 
-from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE
+from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
 
 __all__ = [
     "TINY_AUDIO_TOKEN_ID",
@@ -110,20 +109,12 @@ def tiny_qwen2_5_omni_thinker_config() -> Qwen2_5OmniThinkerConfig:
     )
 
 
-def _evaluation_mode(module: torch.nn.Module) -> None:
-    module.train(False)  # Module.eval via the base class, whose annotations mypy sees
-
-
 def build_tiny_qwen2_audio(*, seed: int = TINY_SEED) -> Qwen2AudioForConditionalGeneration:
     """Build the seeded full tiny Qwen2-Audio (float32, eval mode, CPU). Blocks ~20 ms.
 
     The global torch RNG state is saved and restored around the build.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2AudioForConditionalGeneration(tiny_qwen2_audio_config())
-    _evaluation_mode(model)
-    return model
+    return seeded_build(lambda: Qwen2AudioForConditionalGeneration(tiny_qwen2_audio_config()), seed)
 
 
 def build_tiny_qwen2_5_omni_thinker(
@@ -131,8 +122,7 @@ def build_tiny_qwen2_5_omni_thinker(
 ) -> Qwen2_5OmniThinkerForConditionalGeneration:
     """Build the seeded tiny Qwen2.5-Omni thinker (float32, eval mode, CPU). Blocks ~50 ms;
     see :func:`build_tiny_qwen2_audio`."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5OmniThinkerForConditionalGeneration(tiny_qwen2_5_omni_thinker_config())
-    _evaluation_mode(model)
-    return model
+    return seeded_build(
+        lambda: Qwen2_5OmniThinkerForConditionalGeneration(tiny_qwen2_5_omni_thinker_config()),
+        seed,
+    )

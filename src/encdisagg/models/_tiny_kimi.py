@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
 
 from ._kimi import KimiK25VisionEncoder
-from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE
+from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
 
 __all__ = ["build_tiny_kimi_k25", "tiny_kimi_k25_config"]
 
@@ -76,9 +75,4 @@ def build_tiny_kimi_k25(*, seed: int = TINY_SEED) -> KimiK25VisionEncoder:
     The global torch RNG state is saved and restored around the build, as for
     :func:`~encdisagg.models.build_tiny_qwen2_vl`.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        encoder = KimiK25VisionEncoder(tiny_kimi_k25_config())
-    module: torch.nn.Module = encoder
-    module.train(False)
-    return encoder
+    return seeded_build(lambda: KimiK25VisionEncoder(tiny_kimi_k25_config()), seed)

@@ -14,10 +14,9 @@ from __future__ import annotations
 import copy
 from typing import Any, Final
 
-import torch
 from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE
+from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
 
 __all__ = [
     "QWEN3_VL_IMAGE_PROCESSOR",
@@ -111,9 +110,4 @@ def build_tiny_qwen3_vl(*, seed: int = TINY_SEED) -> Qwen3VLForConditionalGenera
     The global torch RNG state is saved and restored around the build (see
     :func:`~encdisagg.models.build_tiny_qwen2_vl`).
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config())
-    module: torch.nn.Module = model
-    module.train(False)
-    return model
+    return seeded_build(lambda: Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config()), seed)
