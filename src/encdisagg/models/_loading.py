@@ -150,6 +150,30 @@ def _load_folder(
     return tower, processor, _video_limits(folder, name)
 
 
+def _tower_parts(
+    name: str,
+    dtype: torch.dtype | None,
+    towers: Mapping[str, tuple[Any, Any]],
+    video_defaults: tuple[int, int],
+    builtin_processor: Callable[[], Qwen2VLImageProcessorPil],
+) -> tuple[PreTrainedModel, Qwen2VLImageProcessorPil, tuple[int, int]]:
+    """A Qwen vision tower, its image processor and video pixel limits: built when ``name``
+    is a built-in (cast to ``dtype`` if given), else read from the folder ``name``."""
+    if name in _BUILDERS:
+        tower = _BUILDERS[name]()
+        processor = builtin_processor()
+        if dtype is not None:
+            cast_weights(tower, dtype)
+        return tower, processor, video_defaults
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise BadRequestError(
+            f"model: {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+            "nor a checkpoint folder"
+        )
+    return _load_folder(folder, name, dtype, towers, video_defaults)
+
+
 # --- Qwen3-VL: dense and MoE checkpoints share the tower; loaded by _load_qwen3_vl -------
 _QWEN3_TOWERS: Final[dict[str, tuple[Any, Any]]] = {
     "qwen3_vl": (Qwen3VLVisionConfig, Qwen3VLVisionModel),
@@ -174,17 +198,13 @@ def _is_qwen3_vl(name: str) -> bool:
 def _load_qwen3_vl(
     name: str, dtype: torch.dtype | None, device: torch.device, media: MediaPolicy
 ) -> Qwen3VisionModel:
-    video_limits = (QWEN3_VIDEO_MIN_PIXELS, QWEN3_VIDEO_MAX_PIXELS)
-    if name in _QWEN3_BUILTINS:
-        tower = _BUILDERS[name]()
-        processor = qwen3_vl_image_processor()
-        if dtype is not None:
-            cast_weights(tower, dtype)
-    else:
-        folder = Path(name).expanduser()
-        tower, processor, video_limits = _load_folder(
-            folder, name, dtype, _QWEN3_TOWERS, video_limits
-        )
+    tower, processor, video_limits = _tower_parts(
+        name,
+        dtype,
+        _QWEN3_TOWERS,
+        (QWEN3_VIDEO_MIN_PIXELS, QWEN3_VIDEO_MAX_PIXELS),
+        qwen3_vl_image_processor,
+    )
     move_to([tower], device, str(device))
     return Qwen3VisionModel(
         tower,
@@ -258,22 +278,13 @@ def load_model(
         return _load_qwen3_vl(name, wanted_dtype, target, media)
     if is_audio_model(name):
         return load_audio_model(name, media=media, dtype=wanted_dtype, device=target)
-    video_limits = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
-    if name in _BUILDERS:
-        tower = _BUILDERS[name]()
-        processor = Qwen2VLImageProcessorPil()
-        if wanted_dtype is not None:
-            cast_weights(tower, wanted_dtype)
-    else:
-        folder = Path(name).expanduser()
-        if not folder.is_dir():
-            raise BadRequestError(
-                f"model: {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
-                "nor a checkpoint folder"
-            )
-        tower, processor, video_limits = _load_folder(
-            folder, name, wanted_dtype, _TOWERS, video_limits
-        )
+    tower, processor, video_limits = _tower_parts(
+        name,
+        wanted_dtype,
+        _TOWERS,
+        (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS),
+        Qwen2VLImageProcessorPil,
+    )
     move_to([tower], target, device)
     return QwenVisionModel(
         tower,
