@@ -32,6 +32,7 @@ from ._qwen_video import (
     PIXEL_VALUES,
     VIDEO_CONFIG_NAME,
     check_frame_sizes,
+    check_shared_settings,
     paired_frames,
 )
 from ._tower import (
@@ -66,12 +67,6 @@ _OUTPUT_WIDTH_KEYS: Final = {
     "qwen2_5_vl_vision": "out_hidden_size",  # Qwen2.5-VL: hidden_size is the ViT width
 }
 SUPPORTED_VISION_TYPES: Final = tuple(_OUTPUT_WIDTH_KEYS)
-# Processor setting -> tower config setting; they must agree or token counts are wrong.
-_SHARED_SETTINGS: Final = {
-    "patch_size": "patch_size",
-    "temporal_patch_size": "temporal_patch_size",
-    "merge_size": "spatial_merge_size",
-}
 
 
 @final
@@ -112,14 +107,7 @@ class QwenVisionModel(TowerModel):
                 f"model: {name!r} is a {model_type!r} model; supported vision towers are "
                 f"{', '.join(SUPPORTED_VISION_TYPES)}"
             )
-        for setting, tower_setting in _SHARED_SETTINGS.items():
-            ours = getattr(image_processor, setting, None)
-            theirs = getattr(tower.config, tower_setting, None)
-            if ours != theirs:
-                raise BadRequestError(
-                    f"model: {name!r} has a processor with {setting}={ours!r}, but its tower "
-                    f"has {tower_setting}={theirs!r}"
-                )
+        check_shared_settings(image_processor, tower.config, name)
         module: torch.nn.Module = tower
         module.train(False)  # eval mode; via the base class, whose annotations mypy sees
         self._tower = tower

@@ -42,6 +42,7 @@ from ._qwen_video import (
     PIXEL_VALUES,
     VIDEO_CONFIG_NAME,
     check_frame_sizes,
+    check_shared_settings,
     paired_frames,
 )
 from ._tower import (
@@ -71,11 +72,6 @@ __all__ = ["QWEN3_VIDEO_MAX_PIXELS", "QWEN3_VIDEO_MIN_PIXELS", "Qwen3VisionModel
 QWEN3_VIDEO_MIN_PIXELS: Final = 128 * 32 * 32
 QWEN3_VIDEO_MAX_PIXELS: Final = 768 * 32 * 32
 SUPPORTED_VISION_TYPES: Final = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
-_SHARED_SETTINGS: Final = {
-    "patch_size": "patch_size",
-    "temporal_patch_size": "temporal_patch_size",
-    "merge_size": "spatial_merge_size",
-}
 
 
 @final
@@ -113,14 +109,7 @@ class Qwen3VisionModel(TowerModel):
                 f"model: {name!r} is a {model_type!r} model; supported vision towers are "
                 f"{', '.join(SUPPORTED_VISION_TYPES)}"
             )
-        for setting, tower_setting in _SHARED_SETTINGS.items():
-            ours = getattr(image_processor, setting, None)
-            theirs = getattr(config, tower_setting, None)
-            if ours != theirs:
-                raise BadRequestError(
-                    f"model: {name!r} has a processor with {setting}={ours!r}, but its tower "
-                    f"has {tower_setting}={theirs!r}"
-                )
+        check_shared_settings(image_processor, config, name)
         module: torch.nn.Module = tower
         module.train(False)
         self._tower = tower

@@ -1,4 +1,5 @@
-"""Videos of the Qwen vision families built from their image processor.
+"""What the Qwen2-VL and Qwen3-VL adapters share around their image processor: the
+settings it must agree on with the tower, and videos built from it.
 
 transformers' Qwen2-VL and Qwen3-VL video processors need torchvision, so every frame is
 rescaled, normalised and patchified by the image processor instead, and consecutive frames
@@ -25,6 +26,7 @@ __all__ = [
     "PIXEL_VALUES",
     "VIDEO_CONFIG_NAME",
     "check_frame_sizes",
+    "check_shared_settings",
     "paired_frames",
 ]
 
@@ -36,6 +38,27 @@ FRAMES_PER_CALL: Final = 8
 # Keys of ``Preprocessed.features`` the Qwen vision models write and read.
 PIXEL_VALUES: Final = "pixel_values"
 GRID_THW: Final = "grid_thw"
+
+
+# Processor setting -> tower config setting; they must agree or token counts are wrong.
+_SHARED_SETTINGS: Final = {
+    "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "merge_size": "spatial_merge_size",
+}
+
+
+def check_shared_settings(image_processor: object, tower_config: object, name: str) -> None:
+    """:raises BadRequestError: naming ``model`` if the image processor's patch, temporal
+    patch or merge size differs from the tower's."""
+    for setting, tower_setting in _SHARED_SETTINGS.items():
+        ours = getattr(image_processor, setting, None)
+        theirs = getattr(tower_config, tower_setting, None)
+        if ours != theirs:
+            raise BadRequestError(
+                f"model: {name!r} has a processor with {setting}={ours!r}, but its tower "
+                f"has {tower_setting}={theirs!r}"
+            )
 
 
 def check_frame_sizes(frames: list[Image.Image], label: str) -> None:
