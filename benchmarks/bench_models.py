@@ -7,7 +7,7 @@ request of one item:
 
 - images: a 448x448 PNG (``tiny`` Qwen2-VL, ``tiny-qwen2.5-vl``, ``tiny-kimi-k25``);
 - videos: 8 frames of 448x448 PNG at 2 fps (``tiny``, ``tiny-qwen2.5-vl``);
-- the families whose engineers keep their own row builders, imported when present:
+- the families with row builders of their own, imported when present:
   ``_models_qwen3.py`` (``tiny-qwen3-vl``) and ``_models_audio.py`` (the tiny audio encoders
   on a 10 s clip).
 
