@@ -194,16 +194,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
             for a local range outside this engine's registered regions.
         """
         call = f"mooncake transfer_sync_write to {target_session}"
-        if not isinstance(target_session, str) or not target_session:
-            raise TransferError(f"{call}: target_session must be a non-empty str")
-        check_range(call, "local_ptr", local_ptr, nbytes)
-        check_range(call, "remote_ptr", remote_ptr, nbytes)
-        with self._lock:
-            engine = self._require(call)
-            if not self._regions.covers(local_ptr, nbytes):
-                raise TransferError(
-                    f"{call}: local range {local_ptr:#x}+{nbytes} is not inside a registered region"
-                )
+        engine, _ = self._checked(call, target_session, local_ptr, remote_ptr, nbytes)
         # Outside the lock: transfers run concurrently. Keeping the region registered until
         # this returns is the caller's job (its owning scope deregisters after draining).
         rc = engine.transfer_sync_write(target_session, local_ptr, remote_ptr, nbytes)
@@ -246,17 +237,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         :raises TransferError: as :meth:`write`, and for a write that did not end in time.
         """
         call = f"mooncake transfer_submit_write to {target_session}"
-        if not isinstance(target_session, str) or not target_session:
-            raise TransferError(f"{call}: target_session must be a non-empty str")
-        check_range(call, "local_ptr", local_ptr, nbytes)
-        check_range(call, "remote_ptr", remote_ptr, nbytes)
-        with self._lock:
-            engine = self._require(call)
-            if not self._regions.covers(local_ptr, nbytes):
-                raise TransferError(
-                    f"{call}: local range {local_ptr:#x}+{nbytes} is not inside a registered region"
-                )
-            connected = target_session in self._connected
+        engine, connected = self._checked(call, target_session, local_ptr, remote_ptr, nbytes)
         if not connected:
             await run_thread_to_completion(
                 self.write, target_session, local_ptr, remote_ptr, nbytes
@@ -290,6 +271,27 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
             on_still_held()
         what = "timed out (rc=-2)" if rc == TIMED_OUT else "did not end in time"
         raise TransferError(f"{call} {what}; Mooncake may still read the local memory")
+
+    def _checked(
+        self, call: str, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int
+    ) -> tuple[_MooncakeApi, bool]:
+        """The running engine for a write the arguments allow, and whether the session is
+        open already. Not async.
+
+        :raises TransferError: naming ``call`` for a bad argument, a stopped engine, or a local
+            range outside this engine's registered regions.
+        """
+        if not isinstance(target_session, str) or not target_session:
+            raise TransferError(f"{call}: target_session must be a non-empty str")
+        check_range(call, "local_ptr", local_ptr, nbytes)
+        check_range(call, "remote_ptr", remote_ptr, nbytes)
+        with self._lock:
+            engine = self._require(call)
+            if not self._regions.covers(local_ptr, nbytes):
+                raise TransferError(
+                    f"{call}: local range {local_ptr:#x}+{nbytes} is not inside a registered region"
+                )
+            return engine, target_session in self._connected
 
     def _forget(self, target_session: str) -> None:
         with self._lock:
