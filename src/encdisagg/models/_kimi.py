@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import Any, Final, final
 
 import torch
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
@@ -45,9 +45,6 @@ from ._tower import (
     settings_json,
     state_digest,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["KimiK25VisionEncoder", "KimiVisionModel"]
 
