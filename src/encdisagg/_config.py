@@ -86,10 +86,10 @@ class EncoderConfig:
     prefix_cache_mb: int = 0
     #: Bound on staged embedding bytes; over it ``encode`` answers 503. ``None``: unbounded.
     staged_memory_limit_mb: int | None = None
-    #: Size of the staging arena registered once with the transfer engine (Mooncake and
-    #: loopback only); embeddings are staged into it without a registration per request.
-    #: ``None``: ``staged_memory_limit_mb`` if set, else 256. 0 turns it off (every request
-    #: then registers its own memory).
+    #: Size of the staging arena, registered once with the transfer engine (with ``zmq``, a
+    #: plain buffer); embeddings are staged into it without an allocation or a registration
+    #: per request. ``None``: ``staged_memory_limit_mb`` if set, else 256. 0 turns it off
+    #: (every request then stages its own tensor, registered when there is an engine).
     staging_arena_mb: int | None = None
     #: How many distinct destinations must receive a request before it is released.
     default_receive_count: int = 1

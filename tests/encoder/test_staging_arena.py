@@ -305,3 +305,28 @@ async def test_a_pinned_arena_block_is_never_reused() -> None:
         owner.stop_accepting()
     # A block still out: the arena stays registered rather than be freed under a reader.
     assert len(engine.regions) == 1
+
+
+async def test_without_an_engine_zmq_pushes_from_an_unregistered_arena(
+    make_encoder: MakeEncoder,
+) -> None:
+    # ZMQ only: the arena is a plain buffer (nothing registers it), each embedding that fits
+    # is staged into a block, pushed from there, and the block goes back once delivered.
+    from encdisagg import ZmqDestination
+    from encdisagg.transfer import ZmqReceiver
+
+    model = wide_model()
+    async with ZmqReceiver() as receiver, make_encoder(model=model, staging_arena_mb=1) as enc:
+        assert enc.stats().registered_regions == 0
+        for index, tokens in enumerate((100, 600, 1100)):
+            result = await enc.encode(EncodeRequest(f"z{index}", [tokens]))
+            # The one bigger than the arena is staged as its own tensor.
+            assert arena_blocks(enc) == (0 if tokens == 1100 else 1)
+            await enc.send(result.req_id, ZmqDestination(receiver.url))
+            with anyio.fail_after(30):
+                part = await receiver.receive()
+            assert part.tensor is not None
+            assert torch.equal(part.tensor, expected(model, tokens))
+            assert arena_blocks(enc) == 0
+            stats = enc.stats()
+            assert (stats.live_requests, stats.staged_bytes, stats.registered_regions) == (0, 0, 0)

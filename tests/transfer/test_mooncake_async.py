@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -84,6 +85,7 @@ async def test_writes_land_whole_first_through_a_thread_then_from_the_loop(
     pair: tuple[MooncakeEngine, RecordingMooncake, torch.Tensor, torch.Tensor],
     mooncake_pair: tuple[MooncakeEngine, MooncakeEngine],
     thread_calls: list[Callable[..., Any]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     sender, recording, source, target = pair
     session = mooncake_pair[1].session_id
@@ -96,8 +98,9 @@ async def test_writes_land_whole_first_through_a_thread_then_from_the_loop(
     assert sender.write in thread_calls
     thread_calls.clear()
 
-    # Then 1 MiB is submitted on the loop, 8 MiB from a worker thread; both are waited for
-    # until Mooncake said done, and no worker thread waits for them.
+    # Then 1 MiB is submitted on the loop, 8 MiB (over the bound set here) from a worker
+    # thread; both are waited for until Mooncake said done, and no worker thread waits.
+    monkeypatch.setattr(sender, "_submit_on_loop_max_bytes", 4 * MIB)
     await sender.write_async(session, src + MIB, dst + MIB, MIB)
     assert thread_calls == []
     await sender.write_async(session, src + 2 * MIB, dst + 2 * MIB, 8 * MIB)
@@ -136,9 +139,11 @@ async def test_a_cancelled_write_returns_only_once_mooncake_said_it_ended(
     pair: tuple[MooncakeEngine, RecordingMooncake, torch.Tensor, torch.Tensor],
     mooncake_pair: tuple[MooncakeEngine, MooncakeEngine],
     nbytes: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     sender, recording, source, target = pair
     session = mooncake_pair[1].session_id
+    monkeypatch.setattr(sender, "_submit_on_loop_max_bytes", 4 * MIB)
     await sender.write_async(session, source.data_ptr(), target.data_ptr(), 4096)
     recording.submitted.clear()
     returned: list[bool] = []
@@ -193,10 +198,16 @@ async def test_a_failed_write_raises_and_reopens_the_session_next_time(
 class ScriptedMooncake:
     """A stand-in engine whose submits and status answers are scripted."""
 
-    def __init__(self, batch: int, statuses: list[int]) -> None:
+    def __init__(
+        self, batch: int, statuses: list[int], *, stall_s: dict[int, float] | None = None
+    ) -> None:
         self.batch = batch
         self.statuses = statuses
         self.polled: list[int] = []
+        #: The thread of each status call, in order.
+        self.pollers: list[threading.Thread] = []
+        #: How long the status call of each index blocks its caller.
+        self.stall_s = stall_s or {}
 
     def initialize(self, hostname: str, metadata: str, protocol: str, device: str) -> int:
         return 0
@@ -217,15 +228,23 @@ class ScriptedMooncake:
         return self.batch
 
     def transfer_check_status(self, batch: int) -> int:
+        stall = self.stall_s.get(len(self.polled))
         self.polled.append(batch)
+        self.pollers.append(threading.current_thread())
+        if stall is not None:
+            time.sleep(stall)
         return self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
 
 
 async def _scripted_write(
-    monkeypatch: pytest.MonkeyPatch, fake: ScriptedMooncake, held: list[bool]
+    monkeypatch: pytest.MonkeyPatch,
+    fake: ScriptedMooncake,
+    held: list[bool],
+    *,
+    poll_on_loop_s: float = _mooncake.POLL_ON_LOOP_S,
 ) -> None:
     monkeypatch.setattr(_mooncake, "_create_mooncake", lambda: fake)
-    async with MooncakeEngine() as engine:
+    async with MooncakeEngine(poll_on_loop_s=poll_on_loop_s) as engine:
         engine.register(0x1000, 4096)
         engine._connected.add("peer:1")
         try:
@@ -248,12 +267,39 @@ async def test_a_refused_submit_raises_without_polling(
     assert held == []
 
 
-async def test_a_write_polled_by_the_thread_until_done(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("poll_on_loop_s", "on_loop"), [(_mooncake.POLL_ON_LOOP_S, 4), (0.0, 1)], ids=["loop", "thread"]
+)
+async def test_a_write_polled_until_done(
+    monkeypatch: pytest.MonkeyPatch, poll_on_loop_s: float, on_loop: int
+) -> None:
+    # Polled on the loop (every check there), or, with no loop polling, by the completion
+    # thread after the one check right after the submit.
     fake = ScriptedMooncake(0x55, [0, 0, 0, _mooncake_waiter.DONE])
     held: list[bool] = []
-    await _scripted_write(monkeypatch, fake, held)
+    loop_thread = threading.current_thread()
+    await _scripted_write(monkeypatch, fake, held, poll_on_loop_s=poll_on_loop_s)
     assert fake.polled == [0x55] * 4
+    assert [t is loop_thread for t in fake.pollers] == [True] * on_loop + [False] * (4 - on_loop)
     assert held == []
+
+
+async def test_a_write_still_running_after_the_loop_polling_moves_to_the_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The second check (the first loop poll) stalls past the loop-polling window: the
+    # checks after it are the completion thread's.
+    fake = ScriptedMooncake(0x55, [0, 0, 0, _mooncake_waiter.DONE], stall_s={1: 0.4})
+    held: list[bool] = []
+    loop_thread = threading.current_thread()
+    await _scripted_write(monkeypatch, fake, held, poll_on_loop_s=0.2)
+    assert [t is loop_thread for t in fake.pollers] == [True, True, False, False]
+    assert held == []
+
+
+def test_poll_on_loop_s_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="poll_on_loop_s"):
+        MooncakeEngine(poll_on_loop_s=-1.0)
 
 
 async def test_a_mooncake_timeout_keeps_the_memory_out_of_reuse(

@@ -3,7 +3,8 @@
 Who owns what, at every instant:
 
 - the staging arena is registered once when the owner starts and deregistered once when
-  it stops, after every block was given back;
+  it stops, after every block was given back (without an engine, the ZMQ-only case, it is
+  a plain buffer: staging into it spares each request an allocation and its free);
 - a request's own registration (arena absent or full) belongs to the request's record
   while the record lives, and moves to this owner's task when the record is freed, which
   happens only once no job of the request can touch it (``_table``). From then on only the
@@ -74,12 +75,12 @@ class RegionOwner:
         self.engine = engine
         self._budget = budget
         self._blocking = calls_block(engine)
-        self._arena_bytes = arena_bytes if engine is not None else 0
+        self._arena_bytes = arena_bytes
         self._device = device
         self._cleanup_timeout_s = cleanup_timeout_s
         self._clock = clock
         self.arena: StagingArena | None = None
-        self._arena_registered = False
+        self._arena_open = False
         self._registered = ThreadSafeCounter()
         send, receive = anyio.create_memory_object_stream[Handover](math.inf)
         self._send: MemoryObjectSendStream[Handover] = send
@@ -137,7 +138,7 @@ class RegionOwner:
         nbytes = tensor.numel() * tensor.element_size()
         self._budget.reserve(req_id, nbytes)
         arena = self.arena
-        if arena is not None and self._arena_registered:
+        if arena is not None and self._arena_open:
             offset = arena.stage(tensor, nbytes)
             if offset is not None:
                 return Staged(
@@ -278,17 +279,22 @@ class RegionOwner:
 
     async def _open_arena(self) -> None:
         engine = self.engine
-        if engine is None or self._arena_bytes <= 0:
+        if self._arena_bytes <= 0:
             return
         # In a worker thread: on an accelerator the allocation may wait for the device.
         arena = await run_thread_to_completion(StagingArena, self._arena_bytes, self._device)
+        if engine is None:
+            # Nothing to register: ZMQ sends from any memory.
+            self.arena = arena
+            self._arena_open = True
+            return
         try:
             await self.call(engine.register, arena.ptr, arena.capacity)
         except TransferError as exc:
             _log.warning("registering the staging arena failed (%s); each request registers", exc)
             return
         self.arena = arena
-        self._arena_registered = True
+        self._arena_open = True
         self._registered.add(1)
 
     async def _serve(self) -> None:
@@ -393,7 +399,7 @@ class RegionOwner:
 
     async def _close_arena(self) -> None:
         arena, engine = self.arena, self.engine
-        if arena is None or engine is None or not self._arena_registered:
+        if arena is None or engine is None or not self._arena_open:
             return
         if arena.allocated:
             _log.error("the staging arena still holds %d blocks; keeping it", arena.allocated)
@@ -403,7 +409,7 @@ class RegionOwner:
         except Exception as exc:
             _log.error("deregistering the staging arena failed; keeping it", exc_info=exc)
             return
-        self._arena_registered = False
+        self._arena_open = False
         self._registered.add(-1)
 
     def _report_unresolved(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
 from typing import Final, Protocol, cast, final
@@ -16,7 +17,7 @@ import anyio.to_thread
 from .._errors import TransferError
 from ..nurseries import run_thread_to_completion
 from ._mooncake_listen import keep_listeners_to_host, socket_inodes
-from ._mooncake_waiter import DONE, FAILED, TIMED_OUT, CompletionWaiter
+from ._mooncake_waiter import DONE, FAILED, STILL_RUNNING, TIMED_OUT, CompletionWaiter, poll_on_loop
 from ._native_logs import native_lines_to_logging, quiet_mooncake_by_default
 from ._regions import RegionTable, check_range
 
@@ -29,11 +30,14 @@ P2P_HANDSHAKE = "P2PHANDSHAKE"
 #: What ``transfer_submit_write`` returns instead of a batch id when it fails (0 in the
 #: 0.3 wheels, -1 as a 64-bit unsigned batch id upstream).
 _NO_BATCH: Final = frozenset({0, -1, (1 << 64) - 1})
-#: Writes up to this size are submitted on the event loop, larger ones in a worker thread:
-#: over TCP, Mooncake starts sending in the submitting thread, so a submit costs about a
-#: copy into the socket's buffer (a fraction of a millisecond for 1 MiB) and grows with the
-#: size until that buffer is full. Over RDMA a submit only posts work requests.
-SUBMIT_ON_LOOP_MAX_BYTES: Final = 2 << 20
+#: Writes up to this size are submitted on the event loop, larger ones in a worker thread.
+#: A submit only queues the write for Mooncake's transport threads: over loopback TCP it
+#: took 10-40 µs whatever the size (1 to 64 MiB); over RDMA it posts work requests.
+SUBMIT_ON_LOOP_MAX_BYTES: Final = 1 << 30
+#: How long a write is polled on the event loop before the completion thread takes it over:
+#: longer than a 64 MiB write over loopback TCP (about 40 ms), so only a slow or stuck write
+#: moves to the thread.
+POLL_ON_LOOP_S: Final = 0.1
 
 
 class _MooncakeApi(Protocol):
@@ -99,6 +103,10 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
     :param close_timeout_s: the bound on deregistering leftovers at exit.
     :param submit_on_loop_max_bytes: :meth:`write_async` submits writes up to this size on
         the event loop, larger ones from a worker thread (0: always from a thread).
+    :param poll_on_loop_s: how long :meth:`write_async` checks a submitted write once per
+        event-loop turn before the engine's completion thread polls it instead (0: always
+        the thread). Polling on the loop keeps a core busy while a write runs, as Mooncake's
+        own synchronous write does, but sees the write done a turn after it ended.
     """
 
     def __init__(
@@ -110,13 +118,17 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         *,
         close_timeout_s: float = 10.0,
         submit_on_loop_max_bytes: int = SUBMIT_ON_LOOP_MAX_BYTES,
+        poll_on_loop_s: float = POLL_ON_LOOP_S,
     ) -> None:
+        if not poll_on_loop_s >= 0:
+            raise ValueError(f"poll_on_loop_s must be >= 0; got {poll_on_loop_s!r}")
         self._hostname = hostname
         self._metadata_server = metadata_server
         self._protocol = protocol
         self._device_name = device_name
         self._close_timeout_s = close_timeout_s
         self._submit_on_loop_max_bytes = submit_on_loop_max_bytes
+        self._poll_on_loop_s = poll_on_loop_s
         self._transfer_timeout_s = _mooncake_transfer_timeout_s()
         self._lock = threading.Lock()
         # Guarded by _lock. _engine is set while the engine runs. _used turns True when the
@@ -220,9 +232,11 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         The first write to a session (Mooncake opens the session with a handshake, a
         blocking RPC) goes through :meth:`write` in a worker thread. Later writes are
         submitted (``transfer_submit_write``) on the event loop, or from a worker thread
-        when over ``submit_on_loop_max_bytes``; unless Mooncake reports one done at once, the
-        engine's completion thread then polls ``transfer_check_status`` for it (with every
-        other write in flight) and wakes this task when it ended. Always a cancellation
+        when over ``submit_on_loop_max_bytes``; unless Mooncake reports one done at once, this
+        task checks it (``transfer_check_status``) once per event-loop turn, yielding in
+        between, for up to ``poll_on_loop_s``; a write still running then is polled by the
+        engine's completion thread (with every other write handed to it), which wakes this
+        task when the write ended. Always a cancellation
         point; a checkpoint (it yields to other tasks) unless Mooncake reported the write
         done right after submitting it.
 
@@ -259,7 +273,10 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
             if rc not in (DONE, FAILED, TIMED_OUT):
                 # Still running (a TCP submit often sent the bytes already, then it ended).
                 timeout_s = self._transfer_timeout_s + nbytes / (1 << 30)
-                rc = await self._waiter.wait(engine, batch, timeout_s)
+                polled_s = min(self._poll_on_loop_s, timeout_s)
+                rc = await poll_on_loop(engine, batch, time.monotonic() + polled_s)
+                if rc == STILL_RUNNING:
+                    rc = await self._waiter.wait(engine, batch, timeout_s - polled_s)
         if rc == DONE:
             # A cancellation that arrived meanwhile is delivered now the write ended.
             await anyio.lowlevel.checkpoint_if_cancelled()
