@@ -145,8 +145,9 @@ class RequestLifecycle:
             hidden_size=hidden,
             dtype=dtype,
             nbytes=num_tokens * hidden * itemsize,
-            token_counts=tuple(map(int, pre.token_counts)),
-            grid=tuple([tuple(map(int, g)) for g in pre.grid]),
+            # Preprocessed stores both as tuples of ints already.
+            token_counts=pre.token_counts,
+            grid=pre.grid,
             video_timing=pre.video_timing,
         )
         self.wakeups.wake(record.req_id)
