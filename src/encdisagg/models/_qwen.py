@@ -21,12 +21,10 @@ import torch
 from transformers import Qwen2VLImageProcessorPil
 
 from .._errors import BadRequestError
-from .._modality import Modality
-from .._video_timing import VideoTiming, video_timing
-from ._grids import grid_tokens
-from ._media import MediaPolicy, item_label, load_image, load_video
+from ._media import MediaPolicy, item_label
 from ._media_limits import MediaLimits, ResizeRule
 from ._protocol import Preprocessed
+from ._qwen_tower import QwenTower
 from ._qwen_video import (
     GRID_THW,
     PIXEL_VALUES,
@@ -37,20 +35,14 @@ from ._qwen_video import (
 )
 from ._tower import (
     PerThread,
-    TowerModel,
     architecture_json,
-    checked_request,
-    content_key,
     empty_embedding,
     gather_features,
     identity_digest,
-    image_patches,
     owned_pieces,
-    pixel_budget,
     settings_json,
     state_digest,
 )
-from ._video_items import video_source
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -70,7 +62,7 @@ SUPPORTED_VISION_TYPES: Final = tuple(_OUTPUT_WIDTH_KEYS)
 
 
 @final
-class QwenVisionModel(TowerModel):
+class QwenVisionModel(QwenTower):
     """A Qwen2-VL or Qwen2.5-VL vision tower with its processor.
 
     Build one with :func:`~encdisagg.models.load_model`; the constructor takes the parts.
@@ -118,6 +110,7 @@ class QwenVisionModel(TowerModel):
         self._media = media or MediaPolicy()
         self._processor_config: dict[str, Any] = image_processor.to_dict()
         self._merge_size = int(image_processor.merge_size)
+        self._temporal = int(image_processor.temporal_patch_size)
         self._video_size = {"shortest_edge": video_min_pixels, "longest_edge": video_max_pixels}
         self._limits = limits or MediaLimits()
         factor = int(image_processor.patch_size) * self._merge_size
@@ -143,21 +136,6 @@ class QwenVisionModel(TowerModel):
         """Width of the embeddings: the merger's output width, the LLM's hidden size."""
         return self._hidden_size
 
-    @property
-    def merge_size(self) -> int:
-        """Patches folded into one token along each spatial axis."""
-        return self._merge_size
-
-    @property
-    def modalities(self) -> frozenset[Modality]:
-        """The modalities ``preprocess`` accepts."""
-        return frozenset({Modality.IMAGE, Modality.VIDEO})
-
-    @property
-    def tower(self) -> PreTrainedModel:
-        """The underlying transformers vision tower."""
-        return self._tower
-
     def __repr__(self) -> str:
         return (
             f"QwenVisionModel(name={self._name!r}, type={self._model_type!r}, "
@@ -165,67 +143,6 @@ class QwenVisionModel(TowerModel):
         )
 
     # --- preprocessing ------------------------------------------------------------------
-
-    def preprocess(
-        self,
-        items: Sequence[object],
-        modality: Modality | str,
-        *,
-        limits: MediaLimits | None = None,
-    ) -> Preprocessed:
-        """Decode and preprocess one request's images or videos. Blocks on CPU work, file
-        reads and (when enabled) media downloads.
-
-        Each image item becomes one ``(1, h, w)`` grid row; each video item one
-        ``(t, h, w)`` row. The result's ``cache_key`` hashes the pixel values, the grid and
-        :attr:`identity`. The budgets (``limits``, else :attr:`media_limits`) are checked
-        against each item's header before it is decoded.
-
-        :raises BadRequestError: naming ``modality`` for one this model does not encode,
-            ``mm_items`` if ``items`` is not a list or has more than ``max_items``, or
-            ``mm_items[i]`` for an item that cannot be fetched, decoded or preprocessed,
-            or that passes a budget.
-        """
-        modality = checked_request(items, modality, self.modalities, self._name)
-        budget = pixel_budget(
-            limits or self._limits, len(items), self._image_rule, self._video_rule
-        )
-        processor = self._processors.get()
-        pixel_values: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
-        timings: list[VideoTiming] = []
-        for index, item in enumerate(items):
-            if modality is Modality.IMAGE:
-                image = load_image(item, index, self._media, budget=budget)
-                values, grid = image_patches(processor, image, index)
-            else:
-                source, fps = video_source(item, index)
-                times: list[float] = []
-                frames = load_video(source, index, self._media, budget=budget, frame_times=times)
-                values, grid = self._video_patches(processor, frames, index)
-                timings.append(
-                    video_timing(
-                        len(frames),
-                        int(processor.temporal_patch_size),
-                        fps=fps,
-                        frame_times=times or None,
-                    )
-                )
-            pixel_values.append(values)
-            grids.append(grid)
-        if not grids:
-            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
-        grid_thw = torch.cat(grids)
-        rows = tuple(tuple(int(size) for size in row) for row in grid_thw.tolist())
-        token_counts = tuple(grid_tokens(row, self._merge_size) for row in rows)
-        features = {PIXEL_VALUES: torch.cat(pixel_values), GRID_THW: grid_thw}
-        return Preprocessed(
-            token_counts=token_counts,
-            grid=rows,
-            features=features,
-            cache_key=content_key(self._identity, features, rows),
-            video_timing=tuple(timings) if modality is Modality.VIDEO else None,
-        )
 
     def _video_patches(
         self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int

@@ -30,13 +30,11 @@ from transformers import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as _video_resize
 
 from .._errors import BadRequestError, InternalError
-from .._modality import Modality
-from .._video_timing import VideoTiming, video_timing
 from ..transfer import EmbeddingLayout, deepstack_layout
-from ._grids import grid_tokens
-from ._media import MediaPolicy, item_label, load_image, load_video
+from ._media import MediaPolicy, item_label
 from ._media_limits import MediaLimits, ResizeRule
 from ._protocol import Preprocessed
+from ._qwen_tower import QwenTower
 from ._qwen_video import (
     GRID_THW,
     PIXEL_VALUES,
@@ -47,20 +45,14 @@ from ._qwen_video import (
 )
 from ._tower import (
     PerThread,
-    TowerModel,
     architecture_json,
-    checked_request,
-    content_key,
     empty_embedding,
     gather_features,
     identity_digest,
-    image_patches,
     owned_pieces,
-    pixel_budget,
     settings_json,
     state_digest,
 )
-from ._video_items import video_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,7 +67,7 @@ SUPPORTED_VISION_TYPES: Final = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
 
 
 @final
-class Qwen3VisionModel(TowerModel):
+class Qwen3VisionModel(QwenTower):
     """A Qwen3-VL (dense or MoE) vision tower with its processor.
 
     Build one with :func:`~encdisagg.models.load_model`; the constructor takes the parts.
@@ -167,21 +159,6 @@ class Qwen3VisionModel(TowerModel):
         """The column sections of every embedding: ``embedding``, ``deepstack_0``, ..."""
         return self._layout
 
-    @property
-    def merge_size(self) -> int:
-        """Patches folded into one token along each spatial axis."""
-        return self._merge_size
-
-    @property
-    def modalities(self) -> frozenset[Modality]:
-        """The modalities ``preprocess`` accepts."""
-        return frozenset({Modality.IMAGE, Modality.VIDEO})
-
-    @property
-    def tower(self) -> PreTrainedModel:
-        """The underlying transformers vision tower."""
-        return self._tower
-
     def __repr__(self) -> str:
         return (
             f"Qwen3VisionModel(name={self._name!r}, type={self._model_type!r}, "
@@ -190,59 +167,6 @@ class Qwen3VisionModel(TowerModel):
         )
 
     # --- preprocessing ------------------------------------------------------------------
-
-    def preprocess(
-        self,
-        items: Sequence[object],
-        modality: Modality | str,
-        *,
-        limits: MediaLimits | None = None,
-    ) -> Preprocessed:
-        """Decode and preprocess one request's images or videos. Blocks on CPU work, file
-        reads and (when enabled) media downloads.
-
-        Each image becomes one ``(1, h, w)`` grid row, each video one ``(t, h, w)`` row; the
-        ``cache_key`` hashes the pixel values, the grid and :attr:`identity`.
-
-        :raises BadRequestError: naming ``modality``, ``mm_items`` or ``mm_items[i]`` for input
-            this model does not take, cannot decode or that passes a budget.
-        """
-        modality = checked_request(items, modality, self.modalities, self._name)
-        budget = pixel_budget(
-            limits or self._limits, len(items), self._image_rule, self._video_rule
-        )
-        processor = self._processors.get()
-        pixel_values: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
-        timings: list[VideoTiming] = []
-        for index, item in enumerate(items):
-            if modality is Modality.IMAGE:
-                image = load_image(item, index, self._media, budget=budget)
-                values, grid = image_patches(processor, image, index)
-            else:
-                source, fps = video_source(item, index)
-                times: list[float] = []
-                frames = load_video(source, index, self._media, budget=budget, frame_times=times)
-                values, grid = self._video_patches(processor, frames, index)
-                # The <t seconds> of each temporal patch, as Qwen3VLProcessor computes them.
-                timings.append(
-                    video_timing(len(frames), self._temporal, fps=fps, frame_times=times or None)
-                )
-            pixel_values.append(values)
-            grids.append(grid)
-        if not grids:
-            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
-        grid_thw = torch.cat(grids)
-        rows = tuple(tuple(int(size) for size in row) for row in grid_thw.tolist())
-        token_counts = tuple(grid_tokens(row, self._merge_size) for row in rows)
-        features = {PIXEL_VALUES: torch.cat(pixel_values), GRID_THW: grid_thw}
-        return Preprocessed(
-            token_counts=token_counts,
-            grid=rows,
-            features=features,
-            cache_key=content_key(self._identity, features, rows),
-            video_timing=tuple(timings) if modality is Modality.VIDEO else None,
-        )
 
     def video_frame_size(self, frames: int, height: int, width: int) -> tuple[int, int]:
         """``(height, width)`` every frame of a ``frames``-frame clip is resized to: the rule of
