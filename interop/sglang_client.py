@@ -155,15 +155,15 @@ def _check_assembled(processor: RecordingProcessor, inputs: Inputs) -> None:
 # --- zmq_to_tokenizer ----------------------------------------------------------------------
 
 
-async def zmq_to_tokenizer(url: str, inputs: Inputs) -> str:
-    receiver = _tokenizer([url, url])
+async def _receive_then_fail(receiver: Any, inputs: Inputs) -> float:
+    """The tokenizer receives both images byte-equal, then a request with a bad item fails
+    at once (not at its receive timeout); how long that failure took, in seconds."""
     processor = RecordingProcessor()
     request = SimpleNamespace()
     receiver._extract_url_data = lambda _request: _mm_data(inputs.images)
     result = await receiver.recv_mm_data(request, processor, "<image><image>")
     assert result is not None, "recv_mm_data gave up"
     _check_assembled(processor, inputs)
-    # An error part: the request fails at once (not at its receive timeout).
     receiver._extract_url_data = lambda _request: _mm_data([inputs.images[0], BAD_ITEM])
     failing = RecordingProcessor()
     started = time.monotonic()
@@ -172,6 +172,11 @@ async def zmq_to_tokenizer(url: str, inputs: Inputs) -> str:
     assert result is None, "a bad item did not fail the request"
     assert not failing.calls, "a failed request reached the processor"
     assert waited < RECV_TIMEOUT_S / 2, f"the failure took {waited:.1f} s"
+    return waited
+
+
+async def zmq_to_tokenizer(url: str, inputs: Inputs) -> str:
+    waited = await _receive_then_fail(_tokenizer([url, url]), inputs)
     return f"2 parts byte-equal; error part failed the request in {waited:.2f} s"
 
 
@@ -342,21 +347,7 @@ def _grpc_tokenizer(urls: list[str]) -> Any:
 async def grpc_zmq_to_tokenizer(url: str, inputs: Inputs) -> str:
     import grpc
 
-    receiver = _grpc_tokenizer([url])
-    processor = RecordingProcessor()
-    request = SimpleNamespace()
-    receiver._extract_url_data = lambda _request: _mm_data(inputs.images)
-    result = await receiver.recv_mm_data(request, processor, "<image><image>")
-    assert result is not None, "recv_mm_data gave up"
-    _check_assembled(processor, inputs)
-    receiver._extract_url_data = lambda _request: _mm_data([inputs.images[0], BAD_ITEM])
-    failing = RecordingProcessor()
-    started = time.monotonic()
-    result = await receiver.recv_mm_data(request, failing, "<image><image>")
-    waited = time.monotonic() - started
-    assert result is None, "a bad item did not fail the request"
-    assert not failing.calls, "a failed request reached the processor"
-    assert waited < RECV_TIMEOUT_S / 2, f"the failure took {waited:.1f} s"
+    waited = await _receive_then_fail(_grpc_tokenizer([url]), inputs)
     # What SGLang's client saw for the bad part: the status its own encoder answers.
     bad = {
         "mm_items": [BAD_ITEM],
@@ -470,30 +461,19 @@ async def grpc_mooncake(url: str, inputs: Inputs) -> str:
                 pb.EncodeRequest(mm_items=[inputs.images[0]], req_id=part, num_parts=1, part_idx=0),
                 timeout=RECV_TIMEOUT_S,
             )
-            stub.Send(
-                pb.SendRequest(
-                    req_id=part,
-                    prefill_host="127.0.0.1",
-                    embedding_port=port,
-                    session_id=engine.get_session_id(),
-                    buffer_address=buffer.data_ptr(),
-                ),
-                timeout=RECV_TIMEOUT_S,
+            send = pb.SendRequest(
+                req_id=part,
+                prefill_host="127.0.0.1",
+                embedding_port=port,
+                session_id=engine.get_session_id(),
+                buffer_address=buffer.data_ptr(),
             )
+            stub.Send(send, timeout=RECV_TIMEOUT_S)
             assert notices.poll(int(RECV_TIMEOUT_S * 1000)), "no completion notice"
             notice = notices.recv_multipart()
             assert len(notice) == 1, f"the notice has {len(notice)} frames"
             try:
-                stub.Send(
-                    pb.SendRequest(
-                        req_id=part,
-                        prefill_host="127.0.0.1",
-                        embedding_port=port,
-                        session_id=engine.get_session_id(),
-                        buffer_address=buffer.data_ptr(),
-                    ),
-                    timeout=RECV_TIMEOUT_S,
-                )
+                stub.Send(send, timeout=RECV_TIMEOUT_S)
             except grpc.RpcError as exc:
                 again = exc.code()
             else:
