@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -15,6 +16,15 @@ from encdisagg.models import QwenVisionModel, load_model
 
 from ._cluster import Cluster, run_cluster
 from .fakes import png
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    """A loopback port that accepts connections (the reachability probe's target)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

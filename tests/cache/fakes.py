@@ -126,3 +126,26 @@ def png(seed: int, width: int = 56, height: int = 56) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels.numpy()).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+async def round_trip_through_global_tier(
+    model: Any, pre: Preprocessed, rows: torch.Tensor, listening: int
+) -> Any:
+    """Insert ``rows`` (of ``pre``, forwarded by ``model``) into a global tier over a
+    :class:`MemoryStore`, drain, look it up again: the hit."""
+    from encdisagg.cache import CachedItem, GlobalCache, parse_global_cache_url
+
+    settings = parse_global_cache_url(
+        f"mooncake://127.0.0.1:{listening}?metadata=http://127.0.0.1:{listening}/m"
+    )
+    store = MemoryStore()
+    cache = GlobalCache(
+        settings, hidden_size=model.hidden_size, dtype=model.dtype, open_store=lambda _: store
+    )
+    async with cache:
+        assert cache.insert_soon(
+            "k", CachedItem(rows=rows, tokens=pre.num_tokens, grid=pre.grid[0])
+        )
+        await cache.drain()
+        found = await cache.lookup(["k"])
+    return found["k"]

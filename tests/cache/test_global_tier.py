@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -26,15 +26,6 @@ from .fakes import MemoryStore, store_down
 pytestmark = pytest.mark.anyio
 
 HIDDEN = 4
-
-
-@pytest.fixture
-def listening() -> Iterator[int]:
-    """A loopback port that accepts connections (the reachability probe's target)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        yield sock.getsockname()[1]
 
 
 @pytest.fixture
