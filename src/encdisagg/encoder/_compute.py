@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from types import TracebackType
 
 import anyio
 import torch
@@ -96,6 +97,48 @@ class _Holding:
             self.nbytes = 0
 
 
+def _items(request: EncodeRequest, indices: Sequence[int] | None) -> Sequence[object]:
+    return request.items if indices is None else [request.items[i] for i in indices]
+
+
+class _PreprocessErrors:
+    """Maps what a model's preprocessing raised to the error the client sees; errors
+    still name items by their place in the request when only ``indices`` were given."""
+
+    __slots__ = ("_indices", "_request")
+
+    def __init__(self, request: EncodeRequest, indices: Sequence[int] | None) -> None:
+        self._request = request
+        self._indices = indices
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not isinstance(exc, Exception):
+            return
+        request, indices = self._request, self._indices
+        if isinstance(exc, EncdisaggError):
+            if indices is None:
+                return
+            raise type(exc)(relabel_items(exc.message, indices), req_id=exc.req_id) from exc
+        if isinstance(exc, (ValueError, TypeError)):
+            detail = str(exc) if indices is None else relabel_items(str(exc), indices)
+            raise BadRequestError(
+                f"req_id {request.req_id!r}: preprocessing rejected the input: {detail}",
+                req_id=request.req_id,
+            ) from exc
+        raise InternalError(
+            f"req_id {request.req_id!r}: preprocessing failed: {exc!r}",
+            req_id=request.req_id,
+        ) from exc
+
+
 class ComputePath:
     """Turns an :class:`EncodeRequest` into its embedding rows.
 
@@ -163,17 +206,36 @@ class ComputePath:
         budget before it preprocesses. Its preprocessed bytes count against the budget
         until its forward ends (or, cancelled, until the batcher let go of its job).
         """
+        self._check_items(request)
+        holding = _Holding(self.queued)
+        try:
+            return await self._run(request, on_preprocessed, holding, trace)
+        finally:
+            holding.release()
+
+    def run_inline(
+        self, request: EncodeRequest, on_preprocessed: OnPreprocessed
+    ) -> tuple[torch.Tensor, bool]:
+        """:meth:`run` as a plain call, for an :attr:`inline` path without a trace:
+        ``(rows, from_cache)``. Not a checkpoint. A model called inline holds no
+        queued-input bytes, so nothing is counted."""
+        self._check_items(request)
+        pre = self._preprocess_now(request, None)
+        on_preprocessed(pre)
+        cached = self._cache_lookup(request.req_id, pre)
+        if cached is not None:
+            return cached, True
+        (output,) = self._forward_inline(request, [pre])
+        self._cache_insert(pre, output)
+        return output, False
+
+    def _check_items(self, request: EncodeRequest) -> None:
         try:
             self._limits.check_items(len(request.items))
         except BadRequestError as exc:
             raise BadRequestError(
                 f"req_id {request.req_id!r}: {exc.message}", req_id=request.req_id
             ) from None
-        holding = _Holding(self.queued)
-        try:
-            return await self._run(request, on_preprocessed, holding, trace)
-        finally:
-            holding.release()
 
     async def _run(
         self,
@@ -215,31 +277,19 @@ class ComputePath:
     async def _preprocess_items(
         self, request: EncodeRequest, indices: Sequence[int] | None, holding: _Holding | None
     ) -> Preprocessed:
-        start = 0.0 if self._inline else anyio.current_time()
-        items = request.items if indices is None else [request.items[i] for i in indices]
-        try:
-            if self._inline:
-                pre = self._preprocess(items, request.kind)
-            else:
-                pre = await self._preprocess_in_thread(request, items, holding)
-        except EncdisaggError as exc:
-            if indices is None:
-                raise
-            raise type(exc)(relabel_items(exc.message, indices), req_id=exc.req_id) from exc
-        except (ValueError, TypeError) as exc:
-            detail = str(exc) if indices is None else relabel_items(str(exc), indices)
-            raise BadRequestError(
-                f"req_id {request.req_id!r}: preprocessing rejected the input: {detail}",
-                req_id=request.req_id,
-            ) from exc
-        except Exception as exc:
-            raise InternalError(
-                f"req_id {request.req_id!r}: preprocessing failed: {exc!r}",
-                req_id=request.req_id,
-            ) from exc
-        if not self._inline:
-            self._events.phase("preprocess", anyio.current_time() - start)
+        if self._inline:
+            return self._preprocess_now(request, indices)
+        start = anyio.current_time()
+        with _PreprocessErrors(request, indices):
+            pre = await self._preprocess_in_thread(request, _items(request, indices), holding)
+        self._events.phase("preprocess", anyio.current_time() - start)
         return pre
+
+    def _preprocess_now(
+        self, request: EncodeRequest, indices: Sequence[int] | None
+    ) -> Preprocessed:
+        with _PreprocessErrors(request, indices):
+            return self._preprocess(_items(request, indices), request.kind)
 
     async def _preprocess_in_thread(
         self, request: EncodeRequest, items: Sequence[object], holding: _Holding | None
@@ -348,7 +398,7 @@ class ComputePath:
             except InternalError as exc:
                 exc.req_id = request.req_id
                 raise
-        return list(outputs)
+        return outputs if type(outputs) is list else list(outputs)
 
     # -- the local tier alone ----------------------------------------------------------------
 

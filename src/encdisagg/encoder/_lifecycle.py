@@ -237,14 +237,14 @@ class RequestLifecycle:
         compute = self._compute
         on_preprocessed = self._metadata_publisher(record)
         trace = record.trace
-        if compute.inline:
-            rows, _, from_cache = await compute.run(request, on_preprocessed, trace)
+        if compute.inline and trace is None:
+            rows, from_cache = compute.run_inline(request, on_preprocessed)
         else:
             with job.waiting():
                 rows, _, from_cache = await compute.run(request, on_preprocessed, trace)
         metadata = record.metadata
         assert metadata is not None
-        if tuple(rows.shape) != (metadata.num_tokens, metadata.hidden_size) or (
+        if rows.shape != (metadata.num_tokens, metadata.hidden_size) or (
             rows.dtype != compute.model.dtype
         ):
             _fail_layout(rows, metadata)

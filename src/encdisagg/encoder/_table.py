@@ -18,7 +18,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from .._errors import EncdisaggError, NotFoundError, RequestNotActiveError
 from ._types import EncodeRequest, EncodeResult
@@ -123,8 +123,7 @@ class RequestRecord:
             job.cancel()
 
 
-@dataclass(frozen=True, slots=True)
-class _Retired:
+class _Retired(NamedTuple):
     expires_at: float
     error: EncdisaggError | None
     #: What remembering this entry costs (see :func:`_cost`).
@@ -297,7 +296,8 @@ class RequestTable:
 
     def _remember(self, req_id: str, error: EncdisaggError | None) -> None:
         retired = self._retired
-        self._forget_retired(req_id)
+        if req_id in retired:
+            self._forget_retired(req_id)
         error = _detached(error)
         cost = _cost(req_id, error)
         if cost > self._byte_limit:

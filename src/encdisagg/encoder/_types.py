@@ -49,13 +49,20 @@ class EncodeRequest:
 
     def __post_init__(self) -> None:
         _require_text("req_id", self.req_id)
-        if isinstance(self.items, (str, bytes)) or not isinstance(self.items, Sequence):
-            raise BadRequestError("items must be a list of media items")
-        if len(self.items) == 0:
+        items = self.items
+        # Lists and tuples (nearly every caller) skip the slower abstract-class check.
+        if type(items) is not list and type(items) is not tuple:
+            if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+                raise BadRequestError("items must be a list of media items")
+        if len(items) == 0:
             raise BadRequestError(f"items must not be empty (req_id {self.req_id!r})")
-        object.__setattr__(self, "items", tuple(self.items))
-        object.__setattr__(self, "_modality", Modality.parse(self.modality))
-        object.__setattr__(self, "modality", self._modality)
+        if type(items) is not tuple:
+            object.__setattr__(self, "items", tuple(items))
+        modality = self.modality
+        if type(modality) is not Modality:
+            modality = Modality.parse(modality)
+            object.__setattr__(self, "modality", modality)
+        object.__setattr__(self, "_modality", modality)
         num_parts = _require_int("num_parts", self.num_parts)
         if num_parts < 1:
             raise BadRequestError(f"num_parts must be at least 1; got {num_parts}")
