@@ -51,9 +51,10 @@ class EncodeRequest:
         _require_text("req_id", self.req_id)
         items = self.items
         # Lists and tuples (nearly every caller) skip the slower abstract-class check.
-        if type(items) is not list and type(items) is not tuple:
-            if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-                raise BadRequestError("items must be a list of media items")
+        if (type(items) is not list and type(items) is not tuple) and (
+            isinstance(items, (str, bytes)) or not isinstance(items, Sequence)
+        ):
+            raise BadRequestError("items must be a list of media items")
         if len(items) == 0:
             raise BadRequestError(f"items must not be empty (req_id {self.req_id!r})")
         if type(items) is not tuple:
