@@ -41,6 +41,8 @@ class Delivery:
         self._regions = regions
         self._zmq = zmq
         self._layout = layout
+        # Looked up once: the engine is the region owner's for its whole life.
+        self._write_async = getattr(regions.engine, "write_async", None)
 
     async def deliver(self, job: Job, destination: Destination) -> None:
         """Write into a Mooncake destination, or push to a ZMQ one."""
@@ -77,7 +79,7 @@ class Delivery:
                             record.req_id,
                         )
                         return
-        write_async = getattr(engine, "write_async", None)
+        write_async = self._write_async
         if write_async is not None:
             # The engine waits for its own write on the event loop (MooncakeEngine), no
             # worker thread per write; a cancellation takes effect once the write ended,

@@ -181,19 +181,19 @@ class Encoder(anyio.AsyncContextManagerMixin):
     async def encode(self, request: EncodeRequest) -> EncodeResult:
         """Encode ``request`` and stage its embedding; returns once staged.
 
-        A checkpoint. Preprocessing and the forward run in worker threads unless the model
-        says its calls do not block; the forward is batched with concurrent requests of the
-        same modality. Metadata is published for :meth:`wait_metadata` as soon as
-        preprocessing knows the sizes. If the caller is cancelled, nothing stays staged
-        once the forward ends.
+        A checkpoint. Preprocessing and the forward run in worker threads unless the model says
+        its calls do not block; the forward is batched with concurrent requests of the same
+        modality. Metadata is published for :meth:`wait_metadata` as soon as preprocessing knows
+        the sizes. If the caller is cancelled, nothing stays staged once the forward ends.
 
         :raises RequestNotActiveError: the id is live already (or was abandoned).
         :raises BadRequestError: the media or fields were rejected.
         :raises ServiceUnavailableError: over the staged-memory limit, or shutting down.
         :raises InternalError: the model broke its contract (token count mismatch…).
         """
-        await anyio.lowlevel.checkpoint()
-        return await self._require_open().encode(request)
+        lifecycle = self._require_open()
+        await lifecycle.checkpoint()
+        return await lifecycle.encode(request)
 
     async def send(
         self, req_id: str, destination: Destination, *, receive_count: int | None = None
@@ -202,10 +202,9 @@ class Encoder(anyio.AsyncContextManagerMixin):
 
         A checkpoint. Waits (at most ``request_timeout_s``) for staging if the encode is in
         flight. Counts distinct destinations; once ``receive_count`` of them (default
-        ``config.default_receive_count``, or the count fixed by
-        :meth:`register_destinations`) finished, the request is released. A failed or
-        cancelled send releases the request. If cancelled, returns only after the transfer
-        stopped touching memory.
+        ``config.default_receive_count``, or the count fixed by :meth:`register_destinations`)
+        finished, the request is released. A failed or cancelled send releases the request. If
+        cancelled, returns only after the transfer stopped touching memory.
 
         :raises NotFoundError: unknown ``req_id``.
         :raises RequestNotActiveError: released or being released.
@@ -213,8 +212,8 @@ class Encoder(anyio.AsyncContextManagerMixin):
             ``send_timeout_s`` passed during the send.
         :raises TransferError: the engine or the receiver failed the transfer.
         """
-        await anyio.lowlevel.checkpoint()
         lifecycle = self._require_open()
+        await lifecycle.checkpoint()
         if not isinstance(destination, (ZmqDestination, MooncakeDestination)):
             raise BadRequestError("destination must be a ZmqDestination or MooncakeDestination")
         await lifecycle.send(req_id, destination, receive_count)
@@ -254,15 +253,16 @@ class Encoder(anyio.AsyncContextManagerMixin):
         whose own registration is still being deregistered waits for that first).
 
         A checkpoint. Stops new sends and registrations at once. If an encode is in flight,
-        returns without waiting; the release completes when that encode ends. Otherwise
-        waits for sends in flight, then frees the memory before returning; a deregistration
-        still running after ``cleanup_timeout_s`` is left to the region owner (its memory
-        stays counted as staged until it returned). If cancelled while waiting, the release
-        still completes on its own.
+        returns without waiting; the release completes when that encode ends. Otherwise waits
+        for sends in flight, then frees the memory before returning; a deregistration still
+        running after ``cleanup_timeout_s`` is left to the region owner (its memory stays
+        counted as staged until it returned). If cancelled while waiting, the release still
+        completes on its own.
         """
-        await anyio.lowlevel.checkpoint()
-        if self._lifecycle is not None:
-            await self._lifecycle.release(req_id)
+        lifecycle = self._lifecycle
+        await (anyio.lowlevel.checkpoint() if lifecycle is None else lifecycle.checkpoint())
+        if lifecycle is not None:
+            await lifecycle.release(req_id)
 
     async def abandon(self, req_id: str) -> None:
         """Like :meth:`release`, but an id never seen is remembered (for

@@ -33,7 +33,7 @@ from .._errors import (
     RequestTimeoutError,
 )
 from ..models import Preprocessed
-from ..nurseries import KeyedWakeups, ServiceTaskGroup, loop_clock
+from ..nurseries import KeyedWakeups, ServiceTaskGroup, loop_checkpoint, loop_clock
 from ._budget import StagedBudget
 from ._compute import ComputePath
 from ._deadlines import DeadlineKeeper
@@ -83,6 +83,8 @@ class RequestLifecycle:
         self.config = config
         # The loop's clock, read without AnyIO's backend lookup on every call.
         self._now = now = loop_clock()
+        #: The loop's checkpoint, for the Encoder's methods (each one is a checkpoint).
+        self.checkpoint = loop_checkpoint()
         self.table = RequestTable(
             now,
             remember_s=config.request_timeout_s,

@@ -8,13 +8,14 @@ Free of torch, ZMQ and HTTP; each block is tested on its own, on asyncio and on 
 - :class:`KeyedRendezvous`: bounded waits for a key to be published, built on
   :class:`KeyedWakeups` (tasks parked per key until synchronous code wakes it).
 - :class:`ServiceTaskGroup`: background tasks whose failures are always observed.
-- :func:`loop_clock`: the running loop's clock as a plain function (to inject).
+- :func:`loop_clock` / :func:`loop_checkpoint`: the running loop's clock (to inject) and
+  checkpoint, each looked up once.
 - :class:`ThreadSafeEvent`: an event any thread sets without blocking, awaited on the loop.
 - :func:`sole_error` / :func:`collapse_single_error`: an exception group holding one error
   leaves as that error, cause and traceback intact (:func:`leaf_exceptions` flattens groups).
 """
 
-from ._clock import loop_clock as loop_clock
+from ._clock import loop_checkpoint as loop_checkpoint, loop_clock as loop_clock
 from ._exception_groups import (
     collapse_single_error as collapse_single_error,
     leaf_exceptions as leaf_exceptions,
@@ -37,6 +38,7 @@ __all__ = (
     "run_thread_to_completion",
     "ThreadSafeEvent",
     "loop_clock",
+    "loop_checkpoint",
     "OwningScope",
     "ScopeState",
     "ScopeClosedError",
