@@ -75,6 +75,42 @@ async def test_an_error_raised_in_the_block_keeps_its_type_and_cause(
     assert left_with.__cause__ is cause
 
 
+class InlineScriptedModel(ScriptedModel):
+    """The scripted model, called inline (on the event loop) instead of in threads."""
+
+    blocking = False
+
+
+# -- what preprocessing raised reaches the caller mapped, with its cause -------------------
+
+
+@pytest.mark.parametrize(
+    "model_type", [ScriptedModel, InlineScriptedModel], ids=["thread", "inline"]
+)
+@pytest.mark.parametrize(
+    ("item", "failure", "cause"),
+    [
+        pytest.param("bad", BadRequestError, ValueError, id="bad-media"),
+        pytest.param("crash", InternalError, RuntimeError, id="preprocess-raises"),
+    ],
+)
+async def test_a_preprocessing_failure_is_mapped_and_keeps_its_cause(
+    make_encoder: MakeEncoder,
+    model_type: type[ScriptedModel],
+    item: str,
+    failure: type[EncdisaggError],
+    cause: type[Exception],
+) -> None:
+    async with make_encoder(model=model_type()) as encoder:
+        with pytest.raises(failure) as caught:
+            await encoder.encode(request("r1", item))
+        assert caught.value.req_id == "r1"
+        assert "'r1'" in caught.value.message
+        assert type(caught.value.__cause__) is cause
+        assert caught.value.__suppress_context__
+        assert encoder.stats().live_requests == 0
+
+
 # -- finding 5: a failed encode's id can be encoded afresh ---------------------------------
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from types import TracebackType
 
 import anyio
 import torch
@@ -101,42 +100,31 @@ def _items(request: EncodeRequest, indices: Sequence[int] | None) -> Sequence[ob
     return request.items if indices is None else [request.items[i] for i in indices]
 
 
-class _PreprocessErrors:
-    """Maps what a model's preprocessing raised to the error the client sees; errors
-    still name items by their place in the request when only ``indices`` were given."""
-
-    __slots__ = ("_indices", "_request")
-
-    def __init__(self, request: EncodeRequest, indices: Sequence[int] | None) -> None:
-        self._request = request
-        self._indices = indices
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if not isinstance(exc, Exception):
-            return
-        request, indices = self._request, self._indices
-        if isinstance(exc, EncdisaggError):
-            if indices is None:
-                return
-            raise type(exc)(relabel_items(exc.message, indices), req_id=exc.req_id) from exc
-        if isinstance(exc, (ValueError, TypeError)):
-            detail = str(exc) if indices is None else relabel_items(str(exc), indices)
-            raise BadRequestError(
-                f"req_id {request.req_id!r}: preprocessing rejected the input: {detail}",
-                req_id=request.req_id,
-            ) from exc
-        raise InternalError(
+def _preprocess_failure(
+    request: EncodeRequest, indices: Sequence[int] | None, exc: Exception
+) -> Exception:
+    """What the client sees when a model's preprocessing raised ``exc``: ``exc`` itself, or
+    a mapped error whose cause is ``exc``. Errors still name items by their place in the
+    request when only ``indices`` were preprocessed."""
+    mapped: Exception
+    if isinstance(exc, EncdisaggError):
+        if indices is None:
+            return exc
+        mapped = type(exc)(relabel_items(exc.message, indices), req_id=exc.req_id)
+    elif isinstance(exc, (ValueError, TypeError)):
+        detail = str(exc) if indices is None else relabel_items(str(exc), indices)
+        mapped = BadRequestError(
+            f"req_id {request.req_id!r}: preprocessing rejected the input: {detail}",
+            req_id=request.req_id,
+        )
+    else:
+        mapped = InternalError(
             f"req_id {request.req_id!r}: preprocessing failed: {exc!r}",
             req_id=request.req_id,
-        ) from exc
+        )
+    # Setting the cause also hides the context, as ``raise ... from exc`` would.
+    mapped.__cause__ = exc
+    return mapped
 
 
 class ComputePath:
@@ -280,16 +268,21 @@ class ComputePath:
         if self._inline:
             return self._preprocess_now(request, indices)
         start = anyio.current_time()
-        with _PreprocessErrors(request, indices):
+        try:
             pre = await self._preprocess_in_thread(request, _items(request, indices), holding)
+        except Exception as exc:
+            # The cause is set there (an unmapped error leaves as itself, its cause intact).
+            raise _preprocess_failure(request, indices, exc)  # noqa: B904
         self._events.phase("preprocess", anyio.current_time() - start)
         return pre
 
     def _preprocess_now(
         self, request: EncodeRequest, indices: Sequence[int] | None
     ) -> Preprocessed:
-        with _PreprocessErrors(request, indices):
+        try:
             return self._preprocess(_items(request, indices), request.kind)
+        except Exception as exc:
+            raise _preprocess_failure(request, indices, exc)  # noqa: B904
 
     async def _preprocess_in_thread(
         self, request: EncodeRequest, items: Sequence[object], holding: _Holding | None
