@@ -41,7 +41,8 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "Serve an Encoder over HTTP (Quart on Hypercorn). Options come from --config "
             "(TOML: an [encoder] table of EncoderConfig keys and a [server] table of host, "
-            "port, dp, worker_class, log_level, log_format, max_body_mb, health_timeout_s); "
+            "port, dp, worker_class, log_level, log_format, max_body_mb, health_timeout_s, "
+            "freeze_heap); "
             "flags win. "
             "SIGINT or SIGTERM shuts down gracefully."
         ),
@@ -78,6 +79,13 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--max-body-mb", type=int, help="largest request body (default 256)")
     parser.add_argument("--health-timeout", type=float, metavar="SECONDS")
+    parser.add_argument(
+        "--freeze-heap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="once the model is loaded, freeze what is alive (gc.freeze) so the garbage "
+        "collector's full passes skip it (default on)",
+    )
     parser.add_argument("--worker-class", choices=("asyncio", "trio"), help="event loop")
     parser.add_argument(
         "--api-key",

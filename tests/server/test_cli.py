@@ -45,6 +45,17 @@ def test_defaults_and_flags() -> None:
     assert (options.port, options.worker_class, options.log_level) == (0, "trio", "debug")
 
 
+def test_serve_freezes_the_heap_unless_told_not_to(tmp_path: Path) -> None:
+    assert resolved().settings.freeze_heap is True
+    assert resolved("--no-freeze-heap").settings.freeze_heap is False
+    path = tmp_path / "encoder.toml"
+    path.write_text("[server]\nfreeze_heap = false\n")
+    assert resolved("--config", str(path)).settings.freeze_heap is False
+    assert resolved("--config", str(path), "--freeze-heap").settings.freeze_heap is True, (
+        "the flag wins"
+    )
+
+
 def test_api_key_and_allowed_peers_flags_win_over_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -84,6 +95,8 @@ def test_toml_file_and_flags_over_it(tmp_path: Path) -> None:
         ([], '[encoder]\nmax_batch_size = "3"\n', "max_batch_size"),
         ([], '[server]\ndp = "two"\n', "server.dp"),
         ([], "[server]\nprot = 1\n", "server.prot"),
+        ([], "[server]\nfreeze_heap = 1\n", "server.freeze_heap"),
+        ([], "[server]\nport = true\n", "server.port"),
         ([], "not toml [", "--config"),
     ],
 )

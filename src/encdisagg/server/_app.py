@@ -150,6 +150,7 @@ class EncoderService:
                 self._source,
                 metrics=self._encoder_metrics,
                 health_timeout_s=self.settings.health_timeout_s,
+                freeze_heap=self.settings.freeze_heap,
             )
         self._decode_limiter = anyio.CapacityLimiter(_DECODE_THREADS)
         async with backend:

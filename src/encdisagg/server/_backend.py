@@ -25,6 +25,7 @@ from .._modality import Modality
 from ..encoder import Encoder, EncodeRequest, EncodeResult
 from ..models import NullVisionModel, VisionModel
 from ..nurseries import ServiceTaskGroup, collapse_single_error, run_thread_to_completion
+from ._heap import freeze_startup_heap
 from ._messages import EncodeBody, MetadataBody, ReceiveUrlBody, SendBody
 from ._metrics import PROBING, EncoderMetrics, ServiceSnapshot
 
@@ -140,6 +141,8 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
     (``"null"``) are honoured.
 
     :param health_timeout_s: the bound on one probe encode.
+    :param freeze_heap: once the Encoder is open, freeze what startup left alive
+        (``ServerSettings.freeze_heap``).
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
         *,
         metrics: EncoderMetrics | None = None,
         health_timeout_s: float = 20.0,
+        freeze_heap: bool = False,
     ) -> None:
         self.metrics = metrics or EncoderMetrics()
         if isinstance(config_or_encoder, Encoder):
@@ -159,6 +163,7 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
                 events=self.metrics.events(),
             )
         self._health_timeout_s = health_timeout_s
+        self._freeze_heap = freeze_heap
         self._probe: _Probe | None = None
         self._probes = itertools.count()
         self._probe_prefix = f"encdisagg-health-{secrets.token_hex(4)}"
@@ -175,6 +180,9 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
             async with AsyncExitStack() as stack:
                 if not self.encoder.is_open:
                     await stack.enter_async_context(self.encoder)
+                if self._freeze_heap:
+                    # The model and the engine are loaded: what lives now lives on.
+                    freeze_startup_heap()
                 # Unwrapped here too, so the Encoder's block sees the error itself and does
                 # not attach the probes' group to it as context when it unwraps its own.
                 with collapse_single_error():

@@ -78,6 +78,7 @@ SERVER_KEYS: Final[dict[str, type | tuple[type, ...]]] = {
     "register_with": str,
     "advertise_url": str,
     "devices": list,
+    "freeze_heap": bool,
 }
 _DEFAULTS: Final[dict[str, Any]] = {
     "host": "127.0.0.1",
@@ -88,6 +89,8 @@ _DEFAULTS: Final[dict[str, Any]] = {
     "log_format": "text",
     "max_body_mb": 256,
     "health_timeout_s": 20.0,
+    # The server owns its process: its heap is frozen once the Encoder is open.
+    "freeze_heap": True,
 }
 _LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 #: The environment variable ``--api-key`` falls back to (keeps the key out of ``ps``).
@@ -133,7 +136,15 @@ def _read_toml(path: str) -> tuple[EncoderConfig, dict[str, Any]]:
     problems.extend(f"unknown key server.{key}" for key in sorted(server) if key not in SERVER_KEYS)
     for key, value in server.items():
         expected = SERVER_KEYS.get(key)
-        if expected is not None and (isinstance(value, bool) or not isinstance(value, expected)):
+        if expected is None:
+            continue
+        # bool is an int subclass: only a bool key takes true or false.
+        fits = (
+            isinstance(value, bool)
+            if expected is bool
+            else not isinstance(value, bool) and isinstance(value, expected)
+        )
+        if not fits:
             problems.append(f"server.{key} has the wrong type")
     section = data.get("encoder", data)
     if "encoder" in data:
@@ -182,6 +193,8 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             options[key] = value
     if getattr(args, "health_timeout", None) is not None:
         options["health_timeout_s"] = args.health_timeout
+    if getattr(args, "freeze_heap", None) is not None:
+        options["freeze_heap"] = args.freeze_heap
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"--port must be in [0, 65535]; got {options['port']}")
     if options["worker_class"] not in ("asyncio", "trio"):
@@ -217,6 +230,7 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             if isinstance(options["max_body_mb"], int) and options["max_body_mb"] > 0
             else options["max_body_mb"],
             health_timeout_s=options["health_timeout_s"],
+            freeze_heap=options["freeze_heap"],
             worker_log_level=str(options["log_level"]).lower(),
             worker_log_format=options["log_format"],
             worker_devices=devices,

@@ -168,6 +168,7 @@ class WorkerSupervisor:
             settings.worker_log_level,
             "--log-format",
             settings.worker_log_format,
+            *(("--freeze-heap",) if settings.freeze_heap else ()),
         ]
         env = dict(os.environ)
         root = _package_root()

@@ -35,6 +35,11 @@ class ServerSettings:
     worker_backend: str | None = None
     #: Calls one worker runs at once; more wait in its queue.
     worker_max_inflight: int = 256
+    #: Once the Encoder is open (and in every data-parallel worker), collect garbage and
+    #: freeze what survived (``gc.freeze``), so the collector's full passes skip the
+    #: model's and libraries' objects. ``encdisagg serve`` turns it on; off by default for
+    #: an app embedded in someone else's process, whose heap is theirs.
+    freeze_heap: bool = False
     #: Log level of the workers.
     worker_log_level: str = "info"
     #: Log lines of the workers: ``"text"`` or ``"json"`` (one object a line).
@@ -82,6 +87,8 @@ class ServerSettings:
                     continue
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                     raise BadRequestError(f"{f.name} must be a positive number; got {value!r}")
+        if not isinstance(self.freeze_heap, bool):
+            raise BadRequestError(f"freeze_heap must be true or false; got {self.freeze_heap!r}")
         if self.worker_backend not in (None, "asyncio", "trio"):
             raise BadRequestError(
                 f"worker_backend must be asyncio, trio or null; got {self.worker_backend!r}"

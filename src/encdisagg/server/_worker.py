@@ -284,7 +284,9 @@ async def _serve(args: argparse.Namespace, config: EncoderConfig) -> None:
         sockets.append(results)
         opened = False
         try:
-            async with LocalBackend(config, health_timeout_s=args.health_timeout) as backend:
+            async with LocalBackend(
+                config, health_timeout_s=args.health_timeout, freeze_heap=args.freeze_heap
+            ) as backend:
                 opened = True
                 worker = _Worker(args.rank, backend, results, args.max_inflight)
                 await worker.run(work, control, args.parent_pid)
@@ -319,6 +321,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--health-timeout", type=float, default=20.0)
+    parser.add_argument("--freeze-heap", action="store_true")
     parser.add_argument("--max-inflight", type=int, default=256)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
