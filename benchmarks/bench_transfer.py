@@ -22,7 +22,10 @@ loop and the Encoder deliver N messages to the same receiver, a child process:
 
 The Encoder is driven through its public API alone (``Encoder``, ``EncoderConfig``,
 ``EncodeRequest``, the destinations, ``stats()``); only delivery is timed (the encodes happen
-before the clock starts).
+before the clock starts). Once each Encoder is open the process freezes what is alive
+(``gc.collect(); gc.freeze()``, untimed), as ``encdisagg serve`` does and docs/library.md
+advises: otherwise a full pass of the cyclic collector over the few hundred thousand objects
+torch and transformers leave alive (about 0.15 s) lands in some timed runs and not others.
 
 Raw and Encoder runs are measured side by side in **pairs**, one pair per repeat, in one run;
 the order inside a pair alternates (raw first, then Encoder first) so neither side always
@@ -51,12 +54,14 @@ distinct-buffer loop is reported beside it.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from _common import (
@@ -156,7 +161,10 @@ def _raw_first(pair: int) -> bool:
     return pair % 2 == 0
 
 
-def _encoder(model_tokens: int, transfer: str) -> Any:
+@asynccontextmanager
+async def _encoder(model_tokens: int, transfer: str) -> AsyncIterator[Any]:
+    """An open Encoder, in a process whose startup heap is frozen: as ``encdisagg serve``
+    runs it, and as docs/library.md advises for any long-running process (untimed)."""
     import torch
 
     from encdisagg import Encoder, EncoderConfig
@@ -166,7 +174,10 @@ def _encoder(model_tokens: int, transfer: str) -> Any:
         transfer=transfer, max_batch_size=1, request_timeout_s=120.0, send_timeout_s=600.0
     )
     model = NullVisionModel(hidden_size=HIDDEN, tokens_per_item=model_tokens, dtype=torch.float16)
-    return Encoder(config, model=model)
+    async with Encoder(config, model=model) as encoder:
+        gc.collect()
+        gc.freeze()
+        yield encoder
 
 
 async def _stage(encoder: Any, prefix: str, count: int) -> list[str]:
