@@ -11,7 +11,9 @@ the client process, which drains every pushed embedding. One *pair* is both call
 For comparison, the same client drives a bare Quart (or QuartTrio) app on the same Hypercorn
 runner whose two routes parse the body and answer a fixed JSON (no Encoder): the ceiling of
 the HTTP stack on this machine. The ratio encdisagg / bare shows what the Encoder adds per
-request. Runs alternate and repeat; the median is kept.
+request. A third server, the same one started with ``--no-freeze-heap``, shows what freezing
+the startup heap is worth (``docs/server.md``). Runs alternate and repeat; the median is
+kept.
 
 Client and server share the machine's cores, so absolute figures are lower bounds. The load
 generator is aiohttp: httpx's connection pool itself tops out near 150 requests/s at 64
@@ -20,6 +22,7 @@ concurrent requests on a 2-core machine (about 1,200 at 8), which would measure 
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from typing import Any
@@ -209,28 +212,42 @@ def _measure(options: Options, flavour: str, repeats: int, pairs: int) -> dict[s
         "warning",
     ]
     encdisagg_runs = []
+    unfrozen_runs = []
     bare_runs = []
-    with Server(serve_args) as server, Server([__file__, "--bare", flavour]) as bare:
+    with (
+        Server(serve_args) as server,
+        Server([*serve_args, "--no-freeze-heap"]) as unfrozen,
+        Server([__file__, "--bare", flavour]) as bare,
+    ):
         rss_start = rss_mib(server.pid)
         anyio.run(_load, server.url, min(pairs, 200), f"warm-{flavour}")
+        anyio.run(_load, unfrozen.url, min(pairs, 200), f"warm-{flavour}")
         anyio.run(_load, bare.url, min(pairs, 200), "warm", False)
         for repeat in range(repeats):
             encdisagg_runs.append(anyio.run(_load, server.url, pairs, f"{flavour}-{repeat}"))
+            unfrozen_runs.append(anyio.run(_load, unfrozen.url, pairs, f"{flavour}-{repeat}"))
             bare_runs.append(anyio.run(_load, bare.url, pairs, "bare", False))
         rss_end = rss_mib(server.pid)
     result = {
         "flavour": flavour,
         "encdisagg": _median_run(encdisagg_runs),
+        # The same server with --no-freeze-heap: what freezing the startup heap is worth.
+        "unfrozen": _median_run(unfrozen_runs),
         "bare": _median_run(bare_runs),
         "server_rss_mib": {"start": rss_start, "end": rss_end},
     }
     result["ratio"] = result["encdisagg"]["pairs_per_s"] / result["bare"]["pairs_per_s"]
-    run = result["encdisagg"]
+    result["frozen_over_unfrozen"] = statistics.median(
+        frozen["pairs_per_s"] / thawed["pairs_per_s"]
+        for frozen, thawed in zip(encdisagg_runs, unfrozen_runs, strict=True)
+    )
+    run, thawed = result["encdisagg"], result["unfrozen"]
     print(
         f"{flavour:>7}: {run['pairs_per_s']:.0f} pairs/s ({run['http_requests_per_s']:.0f} req/s), "
         f"pair p50 {run['pair']['p50_ms']:.1f} ms p99 {run['pair']['p99_ms']:.1f} ms; bare "
         f"{result['bare']['pairs_per_s']:.0f} pairs/s; ratio {result['ratio']:.2f}; "
-        f"errors {run['errors']}"
+        f"errors {run['errors']}; --no-freeze-heap: {thawed['pairs_per_s']:.0f} pairs/s, "
+        f"pair p99 {thawed['pair']['p99_ms']:.1f} ms"
     )
     return result
 
@@ -297,6 +314,19 @@ def main(argv: list[str] | None = None) -> int:
                 note=(
                     f"{run['pairs_per_s']:.0f} pairs/s, pair p50 {run['pair']['p50_ms']:.0f} ms "
                     f"p99 {run['pair']['p99_ms']:.0f} ms; {row['ratio']:.2f}x bare Quart"
+                ),
+            )
+        )
+        thawed = row["unfrozen"]
+        heads.append(
+            headline(
+                f"HTTP freeze_heap on / off ({row['flavour']})",
+                row["frozen_over_unfrozen"],
+                "x",
+                note=(
+                    f"pairs/s, median of runs alternated in one run; pair p99 "
+                    f"{run['pair']['p99_ms']:.0f} ms frozen vs {thawed['pair']['p99_ms']:.0f} ms "
+                    "with --no-freeze-heap"
                 ),
             )
         )
