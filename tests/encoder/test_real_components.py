@@ -72,7 +72,9 @@ async def test_tiny_model_embedding_reaches_a_zmq_receiver(
         assert part.header.shape == (256, tiny.hidden_size)
         assert part.header.token_counts == (256,)
         assert part.tensor is not None
-        assert torch.equal(part.tensor, expected_embedding(tiny, [image]))
+        # Recomputed here, on another thread than the Encoder's forward: the parallel
+        # reductions may split differently, so equal up to float16 rounding, not bit for bit.
+        torch.testing.assert_close(part.tensor, expected_embedding(tiny, [image]))
     assert encoder.stats().live_requests == 0
 
 
