@@ -164,3 +164,18 @@ def test_arena_capacity_is_the_allocator_s() -> None:
     assert arena.capacity == 2 * 4096
     assert arena.buffer.numel() == arena.capacity
     assert arena.buffer.dtype == torch.uint8
+
+
+def test_host_bytes_are_the_staged_block_itself_without_a_copy() -> None:
+    arena = StagingArena(64 * 1024, torch.device("cpu"), min_block=4096)
+    tensor = torch.arange(16 * 8, dtype=torch.float16).reshape(16, 8)
+    nbytes = tensor.numel() * tensor.element_size()
+    offset = arena.stage(tensor)
+    assert offset is not None
+    view = arena.host_bytes(offset, nbytes)
+    assert view is not None
+    assert view.nbytes == nbytes
+    assert bytes(view) == tensor.numpy().tobytes()
+    # A view of the arena's memory, not a copy: a later write into the block shows in it.
+    arena.view(offset, nbytes, torch.float16, (16, 8)).fill_(1.0)
+    assert bytes(view) == torch.ones(16, 8, dtype=torch.float16).numpy().tobytes()

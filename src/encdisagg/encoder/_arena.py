@@ -11,7 +11,7 @@ Pure bookkeeping: nothing here touches the engine or awaits.
 from __future__ import annotations
 
 import ctypes
-from typing import final
+from typing import Any, final
 
 import torch
 
@@ -121,7 +121,7 @@ class StagingArena:
     when no block is free; :meth:`view` shows a block as a tensor.
     """
 
-    __slots__ = ("_allocator", "buffer", "device", "is_cuda", "ptr")
+    __slots__ = ("_allocator", "_host_bytes", "buffer", "device", "is_cuda", "ptr")
 
     def __init__(self, capacity: int, device: torch.device, *, min_block: int = 4096) -> None:
         self._allocator = BuddyAllocator(capacity, min_block=min_block)
@@ -130,6 +130,12 @@ class StagingArena:
         # Read on every staging: plain attributes, not torch property calls.
         self.device = self.buffer.device
         self.is_cuda = self.buffer.is_cuda
+        # The whole buffer as bytes, once: a block's bytes are then a slice of it, without
+        # a torch call per push. (numpy arrays export the buffer protocol.)
+        self._host_bytes: memoryview | None = None
+        if self.device.type == "cpu":
+            array: Any = self.buffer.numpy()
+            self._host_bytes = memoryview(array)
 
     @property
     def capacity(self) -> int:
@@ -161,6 +167,13 @@ class StagingArena:
     ) -> torch.Tensor:
         """The block at ``offset`` as a tensor of ``dtype`` and ``shape``."""
         return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+    def host_bytes(self, offset: int, nbytes: int) -> memoryview | None:
+        """The block at ``offset`` as a zero-copy byte view, for an arena in host memory
+        (None elsewhere). The view keeps the arena's buffer alive while referenced."""
+        if self._host_bytes is None:
+            return None
+        return self._host_bytes[offset : offset + nbytes]
 
     def free(self, offset: int) -> None:
         self._allocator.free(offset)

@@ -120,11 +120,13 @@ class Delivery:
         pin = None
         if record.phase is not Phase.FAILED:
             staged: Staged = record.staged
-            tensor = staged.tensor
-            if tensor.device.type != "cpu":
-                # A device-to-host copy waits for the device: never on the event loop.
-                tensor = await run_thread_to_completion(tensor.cpu)
-            payload = payload_view(tensor)
+            payload = staged.host_bytes()
+            if payload is None:
+                tensor = staged.tensor
+                if tensor.device.type != "cpu":
+                    # A device-to-host copy waits for the device: never on the event loop.
+                    tensor = await run_thread_to_completion(tensor.cpu)
+                payload = payload_view(tensor)
             pin = staged.pin
         if self._zmq.send_nowait(url, header, payload):
             # Copied into ZMQ's queue: nothing of ours is referenced any more.

@@ -59,6 +59,13 @@ class Staged:
         assert self.arena is not None
         return self.arena.is_cuda
 
+    def host_bytes(self) -> memoryview | None:
+        """The embedding's bytes as a zero-copy view when it lives in a host-memory arena
+        block (a slice, no torch call); None otherwise (see :attr:`tensor`)."""
+        if self.arena is None or self.arena_offset is None:
+            return None
+        return self.arena.host_bytes(self.arena_offset, self.nbytes)
+
     @property
     def transferable(self) -> bool:
         """Whether the engine may write from it without registering it first."""
