@@ -56,3 +56,17 @@ def test_a_set_after_the_loop_finished_is_ignored(backend: str) -> None:
 
     event = anyio.run(make, backend=backend)
     event.set_from_thread()  # the loop is gone: nothing to wake, nothing raised
+
+
+async def test_events_share_one_scheduler_looked_up_once() -> None:
+    schedule = ThreadSafeEvent.loop_scheduler()
+    events = [ThreadSafeEvent(schedule) for _ in range(3)]
+    threads = [threading.Thread(target=event.set_from_thread) for event in events]
+    with anyio.fail_after(10):
+        for thread in threads:
+            thread.start()
+        for event in events:
+            await event.wait()
+    for thread in threads:
+        thread.join(10)
+    assert all(event.is_set() for event in events)

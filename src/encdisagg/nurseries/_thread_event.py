@@ -41,9 +41,17 @@ class ThreadSafeEvent:
 
     __slots__ = ("_event", "_schedule")
 
-    def __init__(self) -> None:
+    def __init__(self, schedule: Callable[[Callable[[], object]], object] | None = None) -> None:
+        """:param schedule: the loop's thread-safe call-soon, as :meth:`loop_scheduler`
+        gave it on this loop (looked up here when not given)."""
         self._event = anyio.Event()
-        self._schedule = _loop_scheduler()
+        self._schedule = _loop_scheduler() if schedule is None else schedule
+
+    @staticmethod
+    def loop_scheduler() -> Callable[[Callable[[], object]], object]:
+        """The running loop's thread-safe, non-blocking call-soon: to look up once and pass
+        to many events of this loop. Call it on the loop."""
+        return _loop_scheduler()
 
     def set_from_thread(self) -> None:
         """Set the event soon, from any thread (the loop's own included). Never blocks.

@@ -18,7 +18,7 @@ import anyio.lowlevel
 import zmq
 
 from .._errors import TransferError
-from ..nurseries import collapse_single_error, run_thread_to_completion
+from ..nurseries import ThreadSafeEvent, collapse_single_error, run_thread_to_completion
 from ._wire import EmbeddingHeader, check_payload, encode_header
 from ._zmq_curve import CurveClient
 from ._zmq_release import send_signalled, wait_released
@@ -98,9 +98,8 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
     while it sends, and :meth:`send` waits until it let go. Smaller payloads, headers and
     error parts are copied into ZMQ's own messages as they are queued.
 
-    One persistent PUSH socket per endpoint URL, connected on first use. Use it as
-    ``async with ZmqPushPool() as pool:``; leaving the block (or :meth:`aclose`) closes
-    every socket.
+    One persistent PUSH socket per endpoint URL, connected on first use. Use it as ``async
+    with ZmqPushPool() as pool:``; leaving the block (or :meth:`aclose`) closes every socket.
 
     :param send_timeout_s: the bound on one :meth:`send`, from its call until ZMQ released
         the payload.
@@ -164,6 +163,8 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         self._context = context
         self._owns_context = context is None
         self._closed = False
+        #: The loop's call-soon while entered (looked up once); None: each send looks it up.
+        self._schedule: Callable[[Callable[[], object]], object] | None = None
         # The current (not broken) connection of each endpoint.
         self._connections: dict[str, _Connection] = {}
         # One scope per running send, cancelled by aclose(); _sends_done is set by the last
@@ -187,33 +188,33 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         """Push ``[header, payload]`` to ``url``; return once ZMQ no longer holds ``payload``.
 
         ``payload`` (the C-contiguous embedding bytes, e.g. from
-        :func:`~encdisagg.transfer.payload_view`) is sent without copying if it has at
-        least ``copy_below_bytes``: the call then returns once ZMQ handed the whole message
-        to the kernel's TCP buffer. A smaller payload is copied into ZMQ's queue, and the
-        call returns as soon as it is queued. An error part (``header.error`` set) has no
-        payload and is queued the same way. Either way the caller may reuse or free the
-        memory right away on return. ZMQ PUSH has no acknowledgments: a peer that
-        disconnects mid-message loses it silently, and so does one whose connection is
-        reset (see below) while a copied message still waits in the queue, so a receiver
-        must bound its own wait.
+        :func:`~encdisagg.transfer.payload_view`) is sent without copying if it has at least
+        ``copy_below_bytes``: the call then returns once ZMQ handed the whole message to the
+        kernel's TCP buffer. A smaller payload is copied into ZMQ's queue, and the call returns
+        as soon as it is queued. An error part (``header.error`` set) has no payload and is
+        queued the same way. Either way the caller may reuse or free the memory right away on
+        return. ZMQ PUSH has no acknowledgments: a peer that disconnects mid-message loses it
+        silently, and so does one whose connection is reset (see below) while a copied message
+        still waits in the queue, so a receiver must bound its own wait.
 
         Concurrent sends to one URL queue their messages whole, one after another (frames
         never interleave); up to ``sndhwm`` messages wait in ZMQ's queue at once, the
         others wait for room. This is a checkpoint.
 
-        The wait for a zero-copy payload's release does not poll: one worker thread blocks
-        until ZMQ reports the release. If ZMQ still holds the payload when the call gives up
-        (``send_timeout_s`` ran out, the caller was cancelled, or the pool closed), the
-        endpoint's socket is closed with linger 0 and evicted: ZMQ drops everything queued
-        on it, including other sends' messages, which then fail too. This call then waits
-        (shielded, bounded by ``release_timeout_s``) until ZMQ let go of the payload, and
-        only then raises. A call that gives up while its message still waits for room
-        leaves the socket alone: nothing of it reached ZMQ, and the messages queued ahead
-        fare on their own. The next send to an evicted URL connects afresh.
+        The wait for a zero-copy payload's release does not poll: the payload view's finalizer
+        wakes it when ZMQ lets go (one worker thread waits on ZMQ's tracker only for a release
+        still pending after a second; ``_zmq_release``). If ZMQ still holds the payload when the
+        call gives up (``send_timeout_s`` ran out, the caller was cancelled, or the pool
+        closed), the endpoint's socket is closed with linger 0 and evicted: ZMQ drops everything
+        queued on it, including other sends' messages, which then fail too. This call then waits
+        (shielded, bounded by ``release_timeout_s``) until ZMQ let go of the payload, and only
+        then raises. A call that gives up while its message still waits for room leaves the
+        socket alone: nothing of it reached ZMQ, and the messages queued ahead fare on their
+        own. The next send to an evicted URL connects afresh.
 
-        Should ZMQ still reference the payload even then (it never did so in any test: ZMQ
-        lets go within milliseconds of the close), ``on_still_held()`` is called before the
-        call raises, so the caller can keep that memory out of reuse for good.
+        Should ZMQ still reference the payload even then (it never did so in any test: ZMQ lets
+        go within milliseconds of the close), ``on_still_held()`` is called before the call
+        raises, so the caller can keep that memory out of reuse for good.
 
         A timeout raises :class:`~encdisagg.TransferError` (502), not
         :class:`~encdisagg.RequestTimeoutError`: a peer that does not take the message is a
@@ -290,6 +291,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         each after ZMQ released its payload.
         """
         self._closed = True
+        self._schedule = None
         with anyio.CancelScope(shield=True):
             if self._running_sends:
                 self._sends_done = anyio.Event()
@@ -308,6 +310,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[ZmqPushPool]:
         """Entering starts the idle sweep (not a checkpoint); exiting is :meth:`aclose`."""
+        self._schedule = ThreadSafeEvent.loop_scheduler()
         try:
             with collapse_single_error():
                 async with anyio.create_task_group() as sweeper:
@@ -403,7 +406,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             if payload.nbytes < self._copy_below_bytes:
                 sock.send(payload, zmq.NOBLOCK, copy=True)
                 return _NOTHING_HELD
-            return send_signalled(sock, payload, zmq.NOBLOCK)
+            return send_signalled(sock, payload, zmq.NOBLOCK, self._schedule)
         except zmq.ZMQError as exc:
             # Half a message may sit in the queue: the socket can never be used again.
             self._evict(connection)

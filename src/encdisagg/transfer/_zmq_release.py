@@ -45,11 +45,17 @@ class SignalledTracker(zmq.MessageTracker):
         self.released = released
 
 
-def send_signalled(sock: zmq.Socket[Any], payload: memoryview, flags: int) -> zmq.MessageTracker:
+def send_signalled(
+    sock: zmq.Socket[Any],
+    payload: memoryview,
+    flags: int,
+    schedule: Callable[[Callable[[], object]], object] | None = None,
+) -> zmq.MessageTracker:
     """Send ``payload`` zero-copy and tracked, as ``sock.send(payload, flags, copy=False,
     track=True)``; the tracker returned also wakes :func:`wait_released` without a thread.
-    Not a checkpoint; call it on the event loop."""
-    released = ThreadSafeEvent()
+    Not a checkpoint; call it on the event loop (``schedule``: that loop's
+    :meth:`~encdisagg.nurseries.ThreadSafeEvent.loop_scheduler`, if the caller has it)."""
+    released = ThreadSafeEvent(schedule)
     # Our own view: nothing but pyzmq holds it once the send returned, so its finalizer
     # runs when pyzmq drops it. (The caller's payload object lives on.)
     view = memoryview(payload)
