@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import io
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
@@ -13,6 +15,10 @@ from quart import Quart
 from quart.typing import TestClientProtocol
 
 from encdisagg import EncoderConfig
+from encdisagg.server import DataParallelBackend, ServerSettings
+
+#: A stand-in worker that records its config file and arguments (see the script).
+RECORDING_WORKER = str(Path(__file__).with_name("config_recording_worker.py"))
 
 
 def png_bytes(width: int = 224, height: int = 224, seed: int = 0) -> bytes:
@@ -57,3 +63,18 @@ async def running(app: Quart) -> AsyncIterator[TestClientProtocol]:
     """
     async with app.test_app_class(app, startup_timeout=120, shutdown_timeout=120) as test_app:
         yield test_app.test_client()
+
+
+async def start_and_stop_recording_workers(
+    config: EncoderConfig, settings: ServerSettings, folder: Path
+) -> None:
+    """Start ``settings.dp`` recording workers behind a data-parallel front, then stop them:
+    each leaves ``config-RANK.json`` and ``argv-RANK.json`` in ``folder``."""
+    backend = DataParallelBackend(
+        config,
+        workers=settings.dp,
+        settings=settings,
+        worker_command=[sys.executable, RECORDING_WORKER, "--script", "echo", "--log", str(folder)],
+    )
+    async with backend:
+        pass

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from encdisagg._cli import build_parser, main
-from encdisagg.server import DataParallelBackend
 from encdisagg.server._command import ServeOptions, resolve
 
-RECORDING_WORKER = str(Path(__file__).with_name("config_recording_worker.py"))
+from ._helpers import start_and_stop_recording_workers
 
 
 def resolved(*argv: str) -> ServeOptions:
@@ -91,21 +89,7 @@ async def test_the_front_hands_each_worker_its_device(tmp_path: Path) -> None:
     settings = dataclasses.replace(
         options.settings, worker_start_timeout_s=20, worker_stop_timeout_s=2
     )
-    backend = DataParallelBackend(
-        options.config,
-        workers=2,
-        settings=settings,
-        worker_command=[
-            sys.executable,
-            RECORDING_WORKER,
-            "--script",
-            "echo",
-            "--log",
-            str(tmp_path),
-        ],
-    )
-    async with backend:
-        pass
+    await start_and_stop_recording_workers(options.config, settings, tmp_path)
     seen = [json.loads((tmp_path / f"config-{rank}.json").read_text()) for rank in (0, 1)]
     assert [config["device"] for config in seen] == ["cuda:1", "cuda:0"]
     assert {config["dtype"] for config in seen} == {"fp16"}

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from encdisagg import BadRequestError, EncoderConfig
-from encdisagg.server import DataParallelBackend, ServerSettings
+from encdisagg.server import ServerSettings
 from encdisagg.server._backend import LocalBackend
 from encdisagg.server._heap import freeze_startup_heap
 
-RECORDING_WORKER = str(Path(__file__).with_name("config_recording_worker.py"))
+from ._helpers import start_and_stop_recording_workers
 
 
 @pytest.fixture
@@ -60,21 +59,7 @@ async def test_every_data_parallel_worker_is_told_to_freeze(tmp_path: Path, free
     settings = ServerSettings(
         dp=2, freeze_heap=freeze, worker_start_timeout_s=20, worker_stop_timeout_s=2
     )
-    backend = DataParallelBackend(
-        EncoderConfig(model="null"),
-        workers=2,
-        settings=settings,
-        worker_command=[
-            sys.executable,
-            RECORDING_WORKER,
-            "--script",
-            "echo",
-            "--log",
-            str(tmp_path),
-        ],
-    )
-    async with backend:
-        pass
+    await start_and_stop_recording_workers(EncoderConfig(model="null"), settings, tmp_path)
     for rank in (0, 1):
         argv = json.loads((tmp_path / f"argv-{rank}.json").read_text())
         assert ("--freeze-heap" in argv) is freeze
