@@ -31,7 +31,7 @@ from ..nurseries import run_thread_to_completion
 from ._batcher import Batcher, ForwardJob, check_token_count
 from ._cache import PrefixCache
 from ._events import EncoderEvents
-from ._queued import QueuedInputs, feature_bytes
+from ._queued import QueuedHolding, QueuedInputs, feature_bytes
 from ._staged import calls_block
 from ._traced import FORWARD_SPAN, PREPROCESS_SPAN, record_batched
 from ._types import EncodeRequest
@@ -61,39 +61,6 @@ def _limited_preprocess(model: VisionModel, limits: MediaLimits) -> Preprocess:
     if getattr(model, "accepts_media_limits", False) is True:
         return partial(model.preprocess, limits=limits)  # type: ignore[call-arg]
     return model.preprocess
-
-
-class _Holding:
-    """The queued-input bytes one :meth:`ComputePath.run` holds, given back when it ends,
-    or, if it left jobs behind in the batcher (cancelled), when the last of them finished."""
-
-    __slots__ = ("_pending", "_queued", "nbytes")
-
-    def __init__(self, queued: QueuedInputs) -> None:
-        self._queued = queued
-        self.nbytes = 0
-        #: Jobs left in the batcher; while any is, the bytes stay held.
-        self._pending = 0
-
-    def add(self, nbytes: int) -> None:
-        self._queued.hold(nbytes)
-        self.nbytes += nbytes
-
-    def outlive(self, jobs: Sequence[ForwardJob]) -> None:
-        """Keep the bytes held until each unfinished job of ``jobs`` finished."""
-        for job in jobs:
-            if not job.done.is_set():
-                self._pending += 1
-                job.on_finish = self._job_finished
-
-    def _job_finished(self) -> None:
-        self._pending -= 1
-        self.release()
-
-    def release(self) -> None:
-        if self._pending == 0:
-            self._queued.give_back(self.nbytes)
-            self.nbytes = 0
 
 
 def _items(request: EncodeRequest, indices: Sequence[int] | None) -> Sequence[object]:
@@ -195,7 +162,7 @@ class ComputePath:
         until its forward ends (or, cancelled, until the batcher let go of its job).
         """
         self._check_items(request)
-        holding = _Holding(self.queued)
+        holding = QueuedHolding(self.queued)
         try:
             return await self._run(request, on_preprocessed, holding, trace)
         finally:
@@ -229,7 +196,7 @@ class ComputePath:
         self,
         request: EncodeRequest,
         on_preprocessed: OnPreprocessed,
-        holding: _Holding,
+        holding: QueuedHolding,
         trace: _tracing.Trace | None,
     ) -> tuple[torch.Tensor, Preprocessed, bool]:
         if self._global is not None:
@@ -250,7 +217,7 @@ class ComputePath:
         request: EncodeRequest,
         indices: Sequence[int] | None = None,
         *,
-        holding: _Holding | None = None,
+        holding: QueuedHolding | None = None,
         trace: _tracing.Trace | None = None,
     ) -> Preprocessed:
         """Preprocess the request's items (only those at ``indices`` if given; errors then
@@ -263,7 +230,7 @@ class ComputePath:
             return await self._preprocess_items(request, indices, holding)
 
     async def _preprocess_items(
-        self, request: EncodeRequest, indices: Sequence[int] | None, holding: _Holding | None
+        self, request: EncodeRequest, indices: Sequence[int] | None, holding: QueuedHolding | None
     ) -> Preprocessed:
         if self._inline:
             return self._preprocess_now(request, indices)
@@ -285,7 +252,7 @@ class ComputePath:
             raise _preprocess_failure(request, indices, exc)  # noqa: B904
 
     async def _preprocess_in_thread(
-        self, request: EncodeRequest, items: Sequence[object], holding: _Holding | None
+        self, request: EncodeRequest, items: Sequence[object], holding: QueuedHolding | None
     ) -> Preprocessed:
         if holding is None:
             return await run_thread_to_completion(
@@ -316,7 +283,7 @@ class ComputePath:
         self,
         request: EncodeRequest,
         batch: Sequence[Preprocessed],
-        holding: _Holding | None = None,
+        holding: QueuedHolding | None = None,
         trace: _tracing.Trace | None = None,
     ) -> list[torch.Tensor]:
         """Forward each element of ``batch`` (the batcher may fuse them with each other and
@@ -438,7 +405,7 @@ class ComputePath:
     # -- per item, through both cache tiers (config.global_cache set) ------------------------
 
     async def _encode_items(
-        self, request: EncodeRequest, holding: _Holding, trace: _tracing.Trace | None
+        self, request: EncodeRequest, holding: QueuedHolding, trace: _tracing.Trace | None
     ) -> tuple[torch.Tensor, Preprocessed]:
         """Key each item; take local hits, then global hits; preprocess and forward only the
         rest; assemble in item order; insert what was computed (global: in the background).

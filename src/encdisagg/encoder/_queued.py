@@ -10,15 +10,18 @@ end of its forward. All of it runs on the event loop: no lock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, final
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
 import torch
 
 from .._errors import ServiceUnavailableError
 
-__all__ = ["QueuedInputs", "feature_bytes"]
+if TYPE_CHECKING:
+    from ._batcher import ForwardJob
+
+__all__ = ["QueuedHolding", "QueuedInputs", "feature_bytes"]
 
 _MIB = 1024 * 1024
 
@@ -90,3 +93,36 @@ class QueuedInputs:
         room, self._room = self._room, None
         if room is not None:
             room.set()  # every waiter checks again
+
+
+class QueuedHolding:
+    """The queued-input bytes one ``ComputePath.run`` holds, given back when it ends,
+    or, if it left jobs behind in the batcher (cancelled), when the last of them finished."""
+
+    __slots__ = ("_pending", "_queued", "nbytes")
+
+    def __init__(self, queued: QueuedInputs) -> None:
+        self._queued = queued
+        self.nbytes = 0
+        #: Jobs left in the batcher; while any is, the bytes stay held.
+        self._pending = 0
+
+    def add(self, nbytes: int) -> None:
+        self._queued.hold(nbytes)
+        self.nbytes += nbytes
+
+    def outlive(self, jobs: Sequence[ForwardJob]) -> None:
+        """Keep the bytes held until each unfinished job of ``jobs`` finished."""
+        for job in jobs:
+            if not job.done.is_set():
+                self._pending += 1
+                job.on_finish = self._job_finished
+
+    def _job_finished(self) -> None:
+        self._pending -= 1
+        self.release()
+
+    def release(self) -> None:
+        if self._pending == 0:
+            self._queued.give_back(self.nbytes)
+            self.nbytes = 0
