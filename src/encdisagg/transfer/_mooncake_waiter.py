@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol, final
 
 import anyio
-import anyio.lowlevel
 
-from ..nurseries import ThreadSafeEvent
+from ..nurseries import ThreadSafeEvent, loop_checkpoint
 
 __all__ = ["DONE", "FAILED", "STILL_RUNNING", "TIMED_OUT", "CompletionWaiter", "poll_on_loop"]
 
@@ -62,8 +61,10 @@ async def poll_on_loop(engine: _StatusApi, batch: int, until: float) -> int:
     A checkpoint on every turn it waits (never when ``until`` passed already). The caller
     shields it, as :meth:`CompletionWaiter.wait`.
     """
+    # Looked up once per write, not once per turn.
+    checkpoint = loop_checkpoint()
     while time.monotonic() < until:
-        await anyio.lowlevel.checkpoint()
+        await checkpoint()
         rc = engine.transfer_check_status(batch)
         if rc in _ENDED:
             return rc
