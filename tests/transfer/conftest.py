@@ -17,6 +17,8 @@ from anyio.from_thread import start_blocking_portal
 
 from encdisagg.transfer import MooncakeEngine
 
+from ._zmq_helpers import TrackingContext
+
 
 @pytest.fixture(scope="session")
 def mooncake_pair() -> Iterator[tuple[MooncakeEngine, MooncakeEngine]]:
@@ -38,3 +40,12 @@ def thread_calls(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
 
     monkeypatch.setattr(anyio.to_thread, "run_sync", recording)
     return calls
+
+
+@pytest.fixture
+def tracking() -> Iterator[TrackingContext]:
+    """A ZMQ context whose sockets record every tracker they hand out."""
+    context = TrackingContext()
+    context.trackers = []
+    yield context
+    context.destroy(linger=0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,39 +22,13 @@ from encdisagg.transfer import (
     payload_view,
 )
 
+from ._zmq_helpers import NOBODY, TRACKED, TrackingContext, free_tcp_url, image_header
+
 pytestmark = pytest.mark.anyio
 
-NOBODY = "tcp://127.0.0.1:1"
 # Most tests here pin down what happens to messages ZMQ holds and cannot deliver: their pools
 # queue on connections that never complete (immediate=False). The default pool waits for a
 # completed connection instead (see the test of that at the end of this file).
-# Rows of 16 float16 values in a payload that is sent zero-copy (tracked) by default: 128 KiB.
-TRACKED = 4096
-
-
-class _TrackingSocket(zmq.Socket):  # type: ignore[type-arg]
-    """Records every tracker a send hands out, so tests can see when ZMQ let go."""
-
-    def send(
-        self, data: Any, flags: int = 0, copy: bool = True, track: bool = False, **kw: Any
-    ) -> Any:
-        tracker = super().send(data, flags, copy=copy, track=track, **kw)
-        if tracker is not None:
-            self.context.trackers.append(tracker)
-        return tracker
-
-
-class _TrackingContext(zmq.Context):  # type: ignore[type-arg]
-    _socket_class = _TrackingSocket
-    trackers: list[zmq.MessageTracker] | None = None
-
-
-@pytest.fixture
-def tracking() -> Iterator[_TrackingContext]:
-    context = _TrackingContext()
-    context.trackers = []
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -64,19 +37,6 @@ def _collect_leaks() -> Iterator[None]:
     # here makes such a leak fail the run (warnings are errors) instead of going unseen.
     yield
     gc.collect()
-
-
-def _header(req_id: str, tokens: int, hidden: int = 16, dtype: str = "float16") -> EmbeddingHeader:
-    return EmbeddingHeader(
-        req_id=req_id,
-        num_parts=1,
-        part_idx=0,
-        modality="image",
-        shape=(tokens, hidden),
-        dtype=dtype,
-        token_counts=(tokens,),
-        grid=((1, tokens),),
-    )
 
 
 def _error_header(req_id: str) -> EmbeddingHeader:
@@ -94,12 +54,6 @@ def _error_header(req_id: str) -> EmbeddingHeader:
     )
 
 
-def _free_tcp_url() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-
-
 async def test_round_trip_is_byte_exact_and_zero_copy() -> None:
     small = torch.randn(300, 64).half()
     large = torch.randn(4096, 256).half()  # 2 MiB: well past ZMQ's inline sizes
@@ -107,7 +61,7 @@ async def test_round_trip_is_byte_exact_and_zero_copy() -> None:
         assert rx.url.startswith("tcp://127.0.0.1:")
         with anyio.fail_after(10):
             for name, tensor in [("small", small), ("large", large)]:
-                header = _header(name, tensor.shape[0], tensor.shape[1])
+                header = image_header(name, tensor.shape[0], tensor.shape[1])
                 await pool.send(rx.url, header, payload_view(tensor))
                 part = await rx.receive()
                 assert part.header == header
@@ -141,7 +95,7 @@ async def test_concurrent_sends_keep_header_and_payload_paired() -> None:
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 for req_id, tensor in tensors.items():
-                    header = _header(req_id, tensor.shape[0], 64)
+                    header = image_header(req_id, tensor.shape[0], 64)
                     tg.start_soon(pool.send, rx.url, header, payload_view(tensor))
                 for _ in range(count):
                     part = await rx.receive()
@@ -153,7 +107,7 @@ async def test_concurrent_sends_keep_header_and_payload_paired() -> None:
 
 
 async def test_send_to_nobody_times_out_and_releases_the_payload(
-    tracking: _TrackingContext,
+    tracking: TrackingContext,
 ) -> None:
     payload = torch.ones(TRACKED, 16, dtype=torch.float16)
     async with ZmqPushPool(immediate=False, send_timeout_s=0.2, context=tracking) as pool:
@@ -162,7 +116,7 @@ async def test_send_to_nobody_times_out_and_releases_the_payload(
             anyio.fail_after(5),
             pytest.raises(TransferError, match=r"timed out after 0\.2 s") as caught,
         ):
-            await pool.send(NOBODY, _header("late", TRACKED), payload_view(payload))
+            await pool.send(NOBODY, image_header("late", TRACKED), payload_view(payload))
         assert anyio.current_time() - started >= 0.2
         assert caught.value.req_id == "late"
         assert tracking.trackers
@@ -171,13 +125,13 @@ async def test_send_to_nobody_times_out_and_releases_the_payload(
 
 
 async def test_cancelled_while_queued_returns_only_after_zmq_released_the_payload(
-    tracking: _TrackingContext,
+    tracking: TrackingContext,
 ) -> None:
     payload = torch.ones(TRACKED, 16, dtype=torch.float16)
     async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(pool.send, NOBODY, _header("r", TRACKED), payload_view(payload))
+                tg.start_soon(pool.send, NOBODY, image_header("r", TRACKED), payload_view(payload))
                 await anyio.wait_all_tasks_blocked()
                 # Queued on a socket that cannot deliver: ZMQ holds the payload.
                 assert pool.endpoints == {NOBODY}
@@ -190,7 +144,7 @@ async def test_cancelled_while_queued_returns_only_after_zmq_released_the_payloa
 
 
 async def test_cancelled_while_waiting_for_room_leaves_the_socket_alone(
-    tracking: _TrackingContext,
+    tracking: TrackingContext,
 ) -> None:
     first, second = torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()
     async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking, sndhwm=1) as pool:
@@ -200,7 +154,7 @@ async def test_cancelled_while_waiting_for_room_leaves_the_socket_alone(
 
                 async def send(scope: anyio.CancelScope, req_id: str, tensor: torch.Tensor) -> None:
                     with scope:
-                        await pool.send(NOBODY, _header(req_id, TRACKED), payload_view(tensor))
+                        await pool.send(NOBODY, image_header(req_id, TRACKED), payload_view(tensor))
 
                 tg.start_soon(send, first_scope, "first", first)
                 await anyio.wait_all_tasks_blocked()
@@ -219,52 +173,8 @@ async def test_cancelled_while_waiting_for_room_leaves_the_socket_alone(
             assert pool.endpoints == frozenset()
 
 
-async def test_a_send_whose_queue_was_dropped_by_another_failure_fails(
-    tracking: _TrackingContext,
-) -> None:
-    tensors = [torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()]
-    outcome: list[str] = []
-    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
-        with anyio.fail_after(5):
-            async with anyio.create_task_group() as tg:
-
-                async def survivor() -> None:
-                    with pytest.raises(TransferError, match="connection was reset"):
-                        await pool.send(NOBODY, _header("a", TRACKED), payload_view(tensors[0]))
-                    outcome.append("a failed")
-
-                async def victim(scope: anyio.CancelScope) -> None:
-                    with scope:
-                        await pool.send(NOBODY, _header("b", TRACKED), payload_view(tensors[1]))
-
-                tg.start_soon(survivor)
-                scope = anyio.CancelScope()
-                tg.start_soon(victim, scope)
-                await anyio.wait_all_tasks_blocked()
-                assert len(tracking.trackers) == 2
-                scope.cancel()
-    assert outcome == ["a failed"]
-    assert all(tracker.done for tracker in tracking.trackers)
-
-
-async def test_the_next_send_reconnects_after_an_eviction() -> None:
-    url = _free_tcp_url()
-    tensor = torch.randn(TRACKED, 16).half()
-    async with ZmqPushPool(immediate=False, send_timeout_s=0.2) as pool:
-        with anyio.fail_after(10):
-            with pytest.raises(TransferError, match="timed out"):
-                await pool.send(url, _header("early", TRACKED), payload_view(tensor))
-            assert pool.endpoints == frozenset()
-            async with ZmqReceiver(url) as rx:
-                await pool.send(url, _header("later", TRACKED), payload_view(tensor))
-                part = await rx.receive()
-    assert part.header.req_id == "later"
-    assert part.tensor is not None
-    assert torch.equal(part.tensor, tensor)
-
-
 async def test_the_receiver_survives_malformed_messages() -> None:
-    header = _header("ok", 4)
+    header = image_header("ok", 4)
     good = encode_header(header)
     payload = bytes(4 * 16 * 2)
     malformed: list[tuple[list[bytes], str]] = [
@@ -315,7 +225,7 @@ async def test_closing_the_receiver_wakes_a_waiting_receive() -> None:
 
 
 async def test_closing_the_pool_aborts_running_sends_after_release(
-    tracking: _TrackingContext,
+    tracking: TrackingContext,
 ) -> None:
     payload = torch.ones(TRACKED, 16, dtype=torch.float16)
     outcome: list[str] = []
@@ -323,7 +233,7 @@ async def test_closing_the_pool_aborts_running_sends_after_release(
 
     async def send() -> None:
         with pytest.raises(TransferError, match="push pool closed"):
-            await pool.send(NOBODY, _header("r", TRACKED), payload_view(payload))
+            await pool.send(NOBODY, image_header("r", TRACKED), payload_view(payload))
         outcome.append("aborted")
 
     with anyio.fail_after(5):
@@ -335,7 +245,7 @@ async def test_closing_the_pool_aborts_running_sends_after_release(
             assert outcome == ["aborted"]
             assert all(tracker.done for tracker in tracking.trackers)
     with pytest.raises(TransferError, match="closed"):
-        await pool.send(NOBODY, _header("r", TRACKED), payload_view(payload))
+        await pool.send(NOBODY, image_header("r", TRACKED), payload_view(payload))
     await pool.aclose()  # idempotent
 
 
@@ -343,46 +253,14 @@ async def test_a_payload_that_does_not_match_its_header_is_refused() -> None:
     tensor = torch.ones(8, 16).half()
     async with ZmqPushPool(immediate=False) as pool:
         with pytest.raises(BadRequestError, match="is 256 bytes; shape \\[9, 16\\]"):
-            await pool.send(NOBODY, _header("r", 9), payload_view(tensor))
+            await pool.send(NOBODY, image_header("r", 9), payload_view(tensor))
         with pytest.raises(BadRequestError, match="missing"):
-            await pool.send(NOBODY, _header("r", 8), None)
+            await pool.send(NOBODY, image_header("r", 8), None)
         with pytest.raises(BadRequestError, match="error part"):
             await pool.send(NOBODY, _error_header("r"), payload_view(tensor))
         with pytest.raises(TransferError, match="cannot connect"):
-            await pool.send("not-a-url", _header("r", 8), payload_view(tensor))
+            await pool.send("not-a-url", image_header("r", 8), payload_view(tensor))
         assert pool.endpoints == frozenset()
-
-
-async def test_a_send_waiting_for_room_moves_to_a_fresh_socket_after_an_eviction(
-    tracking: _TrackingContext,
-) -> None:
-    first, second = torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()
-    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking, sndhwm=1) as pool:
-        with anyio.fail_after(5):
-            async with anyio.create_task_group() as tg:
-                first_scope, first_returned = anyio.CancelScope(), anyio.Event()
-
-                async def send_first() -> None:
-                    with first_scope:
-                        await pool.send(NOBODY, _header("first", TRACKED), payload_view(first))
-                    first_returned.set()
-
-                tg.start_soon(send_first)
-                await anyio.wait_all_tasks_blocked()
-                tg.start_soon(pool.send, NOBODY, _header("second", TRACKED), payload_view(second))
-                await anyio.wait_all_tasks_blocked()
-                assert len(tracking.trackers) == 1
-                # Cancelling the queued send closes its socket, which wakes the send that
-                # waits for room: it queues its message on a new socket instead.
-                first_scope.cancel()
-                await first_returned.wait()
-                await anyio.wait_all_tasks_blocked()
-                first_tracker, second_tracker = tracking.trackers
-                assert first_tracker.done
-                assert not second_tracker.done
-                assert pool.endpoints == {NOBODY}
-                tg.cancel_scope.cancel()
-            assert second_tracker.done
 
 
 @pytest.fixture
@@ -402,16 +280,16 @@ def _release_waits(calls: list[Callable[..., Any]]) -> int:
     return sum(call.__module__ == "encdisagg.transfer._zmq_release" for call in calls)
 
 
-async def _send_before_anyone_listens(tracking: _TrackingContext) -> None:
+async def _send_before_anyone_listens(tracking: TrackingContext) -> None:
     """One zero-copy send to a URL nobody listens at yet; a receiver comes once ZMQ holds the
     payload. Checks the send returned only once ZMQ let go, and the bytes arrived."""
-    url = _free_tcp_url()
+    url = free_tcp_url()
     tensor = torch.randn(TRACKED, 16).half()
     outcome: list[bool] = []
     async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
 
         async def send() -> None:
-            await pool.send(url, _header("r", TRACKED), payload_view(tensor))
+            await pool.send(url, image_header("r", TRACKED), payload_view(tensor))
             outcome.append(tracking.trackers[0].done)
 
         with anyio.fail_after(10):
@@ -430,7 +308,7 @@ async def _send_before_anyone_listens(tracking: _TrackingContext) -> None:
 
 
 async def test_a_zero_copy_send_returns_once_zmq_released_the_payload(
-    tracking: _TrackingContext, thread_calls: list[Callable[..., Any]]
+    tracking: TrackingContext, thread_calls: list[Callable[..., Any]]
 ) -> None:
     await _send_before_anyone_listens(tracking)
     # The payload view's finalizer woke the send: no polling, no worker thread.
@@ -438,7 +316,7 @@ async def test_a_zero_copy_send_returns_once_zmq_released_the_payload(
 
 
 async def test_a_send_still_held_after_the_grace_waits_for_the_release_in_one_thread(
-    tracking: _TrackingContext,
+    tracking: TrackingContext,
     thread_calls: list[Callable[..., Any]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -450,7 +328,7 @@ async def test_a_send_still_held_after_the_grace_waits_for_the_release_in_one_th
 
 
 async def test_a_cancelled_zero_copy_send_returns_only_after_the_release(
-    tracking: _TrackingContext, thread_calls: list[Callable[..., Any]]
+    tracking: TrackingContext, thread_calls: list[Callable[..., Any]]
 ) -> None:
     payload = torch.ones(TRACKED, 16, dtype=torch.float16)
     returned: list[bool] = []
@@ -458,7 +336,7 @@ async def test_a_cancelled_zero_copy_send_returns_only_after_the_release(
 
         async def send() -> None:
             try:
-                await pool.send(NOBODY, _header("r", TRACKED), payload_view(payload))
+                await pool.send(NOBODY, image_header("r", TRACKED), payload_view(payload))
             finally:
                 returned.append(tracking.trackers[0].done)
 
@@ -474,15 +352,15 @@ async def test_a_cancelled_zero_copy_send_returns_only_after_the_release(
 
 
 async def test_a_small_payload_is_copied_and_its_buffer_free_at_once(
-    tracking: _TrackingContext, thread_calls: list[Callable[..., Any]]
+    tracking: TrackingContext, thread_calls: list[Callable[..., Any]]
 ) -> None:
-    url = _free_tcp_url()
+    url = free_tcp_url()
     rows = 2047  # 65,504 bytes: just under the default copy_below_bytes (64 KiB)
     tensor = torch.full((rows, 16), 7.0, dtype=torch.float16)
     async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
         with anyio.fail_after(10):
             # Nobody listens yet, and still the send returns: ZMQ queued its own copy.
-            await pool.send(url, _header("small", rows), payload_view(tensor))
+            await pool.send(url, image_header("small", rows), payload_view(tensor))
             await pool.send(url, _error_header("bad"), None)
             tensor.fill_(-1.0)
             assert tracking.trackers == []  # nothing zero-copy, nothing tracked
@@ -494,16 +372,16 @@ async def test_a_small_payload_is_copied_and_its_buffer_free_at_once(
     assert _release_waits(thread_calls) == 0
 
 
-async def test_copy_below_bytes_sets_the_zero_copy_threshold(tracking: _TrackingContext) -> None:
+async def test_copy_below_bytes_sets_the_zero_copy_threshold(tracking: TrackingContext) -> None:
     below, at = torch.ones(31, 16).half(), torch.ones(32, 16).half()  # 992 and 1024 bytes
     async with ZmqPushPool(
         immediate=False, send_timeout_s=30, context=tracking, copy_below_bytes=1024
     ) as pool:
         with anyio.fail_after(10):
-            await pool.send(NOBODY, _header("below", 31), payload_view(below))
+            await pool.send(NOBODY, image_header("below", 31), payload_view(below))
             assert tracking.trackers == []
             async with anyio.create_task_group() as tg:
-                tg.start_soon(pool.send, NOBODY, _header("at", 32), payload_view(at))
+                tg.start_soon(pool.send, NOBODY, image_header("at", 32), payload_view(at))
                 await anyio.wait_all_tasks_blocked()
                 [tracker] = tracking.trackers
                 assert not tracker.done  # zero-copy: held by ZMQ, the send waits
@@ -517,9 +395,9 @@ async def test_copy_below_bytes_sets_the_zero_copy_threshold(tracking: _Tracking
 async def test_by_default_nothing_is_queued_for_an_endpoint_nobody_listens_at() -> None:
     small = torch.ones(2, 4, dtype=torch.float16)
     async with ZmqPushPool(send_timeout_s=0.2) as pool:
-        assert not pool.send_nowait(NOBODY, _header("r", 2, 4), payload_view(small))
+        assert not pool.send_nowait(NOBODY, image_header("r", 2, 4), payload_view(small))
         with anyio.fail_after(5), pytest.raises(TransferError, match="timed out"):
-            await pool.send(NOBODY, _header("r", 2, 4), payload_view(small))
+            await pool.send(NOBODY, image_header("r", 2, 4), payload_view(small))
 
 
 async def test_send_nowait_queues_a_copied_message_to_a_connected_endpoint() -> None:
@@ -527,11 +405,11 @@ async def test_send_nowait_queues_a_copied_message_to_a_connected_endpoint() -> 
     async with ZmqReceiver() as rx, ZmqPushPool() as pool:
         with anyio.fail_after(5):
             # The first send connects; later ones to the same endpoint need no wait.
-            await pool.send(rx.url, _header("first", 2, 4), payload_view(small))
-            assert pool.send_nowait(rx.url, _header("second", 2, 4), payload_view(small))
+            await pool.send(rx.url, image_header("first", 2, 4), payload_view(small))
+            assert pool.send_nowait(rx.url, image_header("second", 2, 4), payload_view(small))
             small.fill_(0)  # ZMQ copied it: the buffer is free
             big = torch.ones(TRACKED, 16, dtype=torch.float16)
-            assert not pool.send_nowait(rx.url, _header("big", TRACKED), payload_view(big))
+            assert not pool.send_nowait(rx.url, image_header("big", TRACKED), payload_view(big))
             first, second = await rx.receive(), await rx.receive()
     assert (first.header.req_id, second.header.req_id) == ("first", "second")
     assert second.tensor is not None

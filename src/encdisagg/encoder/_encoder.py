@@ -191,8 +191,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
         :raises ServiceUnavailableError: over the staged-memory limit, or shutting down.
         :raises InternalError: the model broke its contract (token count mismatch…).
         """
-        lifecycle = self._require_open()
-        await lifecycle.checkpoint()
+        await (lifecycle := self._require_open()).checkpoint()
         return await lifecycle.encode(request)
 
     async def send(
@@ -212,8 +211,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
             ``send_timeout_s`` passed during the send.
         :raises TransferError: the engine or the receiver failed the transfer.
         """
-        lifecycle = self._require_open()
-        await lifecycle.checkpoint()
+        await (lifecycle := self._require_open()).checkpoint()
         if not isinstance(destination, (ZmqDestination, MooncakeDestination)):
             raise BadRequestError("destination must be a ZmqDestination or MooncakeDestination")
         await lifecycle.send(req_id, destination, receive_count)
@@ -231,8 +229,8 @@ class Encoder(anyio.AsyncContextManagerMixin):
         :raises BadRequestError: a different ``receive_count``, or bad URLs.
         :raises RequestNotActiveError: the request was released or is being released.
         """
-        await anyio.lowlevel.checkpoint()
-        await self._require_open().register_destinations(req_id, receive_count, urls)
+        await (lifecycle := self._require_open()).checkpoint()
+        await lifecycle.register_destinations(req_id, receive_count, urls)
 
     async def wait_metadata(self, req_id: str) -> EncodeResult:
         """Wait until the encode of ``req_id`` published its metadata, and return it.
@@ -245,8 +243,8 @@ class Encoder(anyio.AsyncContextManagerMixin):
         :raises RequestTimeoutError: nothing was published in time.
         :raises RequestNotActiveError: the request was released without an error.
         """
-        await anyio.lowlevel.checkpoint()
-        return await self._require_open().wait_metadata(req_id)
+        await (lifecycle := self._require_open()).checkpoint()
+        return await lifecycle.wait_metadata(req_id)
 
     async def release(self, req_id: str) -> None:
         """Release ``req_id``. Idempotent; unknown ids are a no-op (an id freed a moment ago
@@ -269,9 +267,10 @@ class Encoder(anyio.AsyncContextManagerMixin):
         ``config.abandon_ttl_s``) and refused by the encode that would create it. An id
         whose lifecycle just ended is left alone, so a retry after a failure starts
         afresh. A checkpoint."""
-        await anyio.lowlevel.checkpoint()
-        if self._lifecycle is not None:
-            await self._lifecycle.abandon(req_id)
+        lifecycle = self._lifecycle
+        await (anyio.lowlevel.checkpoint() if lifecycle is None else lifecycle.checkpoint())
+        if lifecycle is not None:
+            await lifecycle.abandon(req_id)
 
     # -- introspection ------------------------------------------------------------------------
 

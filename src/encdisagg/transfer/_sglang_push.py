@@ -19,7 +19,7 @@ import zmq
 
 from .._errors import TransferError
 from ..nurseries import run_thread_to_completion
-from ._zmq import wait_events
+from ._zmq_socket import wait_events
 
 __all__ = ["SglangPusher"]
 

@@ -1,14 +1,11 @@
 """Embedding push and pull over ZMQ, native to AnyIO (asyncio and Trio alike).
 
 ``zmq.asyncio`` only works on asyncio, so the sockets here are plain non-blocking ZMQ
-sockets whose ``ZMQ_FD`` is awaited with :func:`anyio.wait_readable`. That descriptor is
-edge-triggered and signals *any* state change (readable or writable), so ``ZMQ_EVENTS`` is
-read before every wait and again after every wake-up.
+sockets whose ``ZMQ_FD`` is awaited with :func:`anyio.wait_readable` (``_zmq_socket``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Final, cast, final
@@ -22,8 +19,9 @@ from ..nurseries import ThreadSafeEvent, collapse_single_error, run_thread_to_co
 from ._wire import EmbeddingHeader, check_payload, encode_header
 from ._zmq_curve import CurveClient
 from ._zmq_release import send_signalled, wait_released
+from ._zmq_socket import Connection, wait_room
 
-__all__ = ["ZmqPushPool", "wait_events"]
+__all__ = ["ZmqPushPool"]
 
 # Below this size a payload is copied into ZMQ's own message rather than tracked. Measured on
 # loopback: a tracked send costs ~0.25 ms whatever its size (ZMQ's release passes through
@@ -41,53 +39,6 @@ _NOTHING_HELD: Final = zmq.MessageTracker()
 DEFAULT_IDLE_TIMEOUT_S: Final = 60.0
 #: Sockets a pool keeps open; a new endpoint beyond it closes the least recently used idle one.
 DEFAULT_MAX_ENDPOINTS: Final = 128
-
-
-async def wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
-    """Return once ``sock``'s ``ZMQ_EVENTS`` has ``event``; checkpoints only if it waits.
-
-    :raises anyio.ClosedResourceError: if the socket is closed (``notify_closing``) meanwhile.
-    """
-    while not cast(int, sock.getsockopt(zmq.EVENTS)) & event:
-        await anyio.wait_readable(fd)
-
-
-async def _wait_room(connection: _Connection) -> None:
-    """Return once the socket takes a message; checkpoints only if it waits."""
-    sock, fd = connection.socket, connection.fd
-    while not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
-        connection.parked = True
-        try:
-            await anyio.wait_readable(fd)
-        finally:
-            connection.parked = False
-
-
-@dataclasses.dataclass(eq=False)
-class _Connection:
-    """One PUSH socket to one endpoint."""
-
-    url: str
-    socket: zmq.Socket[Any]
-    fd: int
-    # Held by the one send that may wait for room (sends queue for it, one after another).
-    # Fast acquire: taking it free costs no pass through the event loop (the send's own
-    # cancellation point comes before it, its scheduling point after), so a send that finds
-    # room queues its message at once instead of yielding while other sends pile up behind
-    # the lock.
-    lock: anyio.Lock = dataclasses.field(default_factory=lambda: anyio.Lock(fast_acquire=True))
-    # Set while that send is parked on the socket's descriptor. ZMQ's descriptor is edge
-    # triggered: reading ZMQ_EVENTS (as send_nowait does) would swallow the wake-up the
-    # parked send waits for, so send_nowait leaves the socket alone meanwhile.
-    parked: bool = False
-    # Set once the socket was closed on a failure; any message that was still queued on it
-    # then was dropped, so a send that finds it set after its release did not deliver.
-    broken: bool = False
-    # Sends between their connect and ZMQ's release of their payload (busy while any).
-    users: int = 0
-    # Set by every message queued; the idle sweep clears it, and closes a socket it finds
-    # cleared (nothing queued for a whole sweep period) and not busy.
-    used: bool = True
 
 
 @final
@@ -166,7 +117,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         #: The loop's call-soon while entered (looked up once); None: each send looks it up.
         self._schedule: Callable[[Callable[[], object]], object] | None = None
         # The current (not broken) connection of each endpoint.
-        self._connections: dict[str, _Connection] = {}
+        self._connections: dict[str, Connection] = {}
         # One scope per running send, cancelled by aclose(); _sends_done is set by the last
         # send to finish once aclose() waits for them.
         self._running_sends: set[anyio.CancelScope] = set()
@@ -206,11 +157,12 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         still pending after a second; ``_zmq_release``). If ZMQ still holds the payload when the
         call gives up (``send_timeout_s`` ran out, the caller was cancelled, or the pool
         closed), the endpoint's socket is closed with linger 0 and evicted: ZMQ drops everything
-        queued on it, including other sends' messages, which then fail too. This call then waits
-        (shielded, bounded by ``release_timeout_s``) until ZMQ let go of the payload, and only
-        then raises. A call that gives up while its message still waits for room leaves the
-        socket alone: nothing of it reached ZMQ, and the messages queued ahead fare on their
-        own. The next send to an evicted URL connects afresh.
+        queued on it, including other sends' messages, which then fail too (a send whose
+        payload ZMQ had let go of before the close, its message written whole, succeeds).
+        This call then waits (shielded, bounded by ``release_timeout_s``) until ZMQ let go of
+        the payload, and only then raises. A call that gives up while its message still waits
+        for room leaves the socket alone: nothing of it reached ZMQ, and the messages queued
+        ahead fare on their own. The next send to an evicted URL connects afresh.
 
         Should ZMQ still reference the payload even then (it never did so in any test: ZMQ lets
         go within milliseconds of the close), ``on_still_held()`` is called before the call
@@ -340,7 +292,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         for connection in list(self._connections.values()):
             if connection.used:
                 connection.used = False
-            elif _idle(connection):
+            elif connection.idle:
                 self._evict(connection)
                 closed += 1
         return closed
@@ -363,7 +315,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             try:
                 async with connection.lock:
                     while tracker is None and not connection.broken:
-                        await _wait_room(connection)
+                        await wait_room(connection)
                         tracker = self._queue(connection, head, payload, what)
             except anyio.ClosedResourceError:
                 # Another send's failure evicted the socket while this one waited for
@@ -377,15 +329,17 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
                     connection.users -= 1
         connection.used = True
         released_at_once = tracker.done
+        connection.held.add(tracker)
         try:
             await self._wait_released(connection, tracker, what, on_still_held)
         finally:
             connection.users -= 1
+            connection.held.discard(tracker)
         if released_at_once:
             await anyio.lowlevel.cancel_shielded_checkpoint()
 
     def _queue(
-        self, connection: _Connection, head: bytes, payload: memoryview | None, what: str
+        self, connection: Connection, head: bytes, payload: memoryview | None, what: str
     ) -> zmq.MessageTracker | None:
         """Queue the message; the payload's tracker, or None if ZMQ refused the first frame.
 
@@ -414,7 +368,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
 
     async def _wait_released(
         self,
-        connection: _Connection,
+        connection: Connection,
         tracker: zmq.MessageTracker,
         what: str,
         on_still_held: Callable[[], None] | None,
@@ -432,13 +386,13 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             limiter=self._release_waiters,
             on_still_held=on_still_held,
         )
-        if connection.broken:
+        if connection.lost(tracker):
             raise TransferError(
                 f"{what} failed: the connection was reset while the message was queued "
                 "(another send to this endpoint failed)"
             )
 
-    def _connect(self, url: str, what: str) -> _Connection:
+    def _connect(self, url: str, what: str) -> Connection:
         connection = self._connections.get(url)
         if connection is not None:
             return connection
@@ -471,30 +425,20 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise TransferError(f"{what}: cannot connect: {exc}") from exc
-        connection = _Connection(url, sock, fd)
+        connection = Connection(url, sock, fd)
         self._connections[url] = connection
         return connection
 
     def _make_room(self) -> None:
         # Close the least recently used socket no send uses (one idle for a sweep first).
-        candidates = [c for c in self._connections.values() if _idle(c)]
+        candidates = [c for c in self._connections.values() if c.idle]
         if not candidates:
             candidates = [c for c in self._connections.values() if c.users == 0]
         if candidates:
             # Dicts keep insertion order: the first connected goes first.
             self._evict(next((c for c in candidates if not c.used), candidates[0]))
 
-    def _evict(self, connection: _Connection) -> None:
-        if connection.broken:
-            return
-        connection.broken = True
+    def _evict(self, connection: Connection) -> None:
         if self._connections.get(connection.url) is connection:
             del self._connections[connection.url]
-        # Wake a send waiting for room on this socket before its descriptor goes away.
-        anyio.notify_closing(connection.fd)
-        connection.socket.close(linger=0)
-
-
-def _idle(connection: _Connection) -> bool:
-    """No send uses the socket and nothing was queued on it since the last sweep."""
-    return connection.users == 0 and not connection.used and not connection.lock.locked()
+        connection.break_off()

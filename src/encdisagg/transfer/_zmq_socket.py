@@ -1,0 +1,87 @@
+"""One PUSH socket of a push pool, and waiting on a ZMQ socket's state from AnyIO.
+
+ZMQ's ``ZMQ_FD`` is edge-triggered and signals *any* state change (readable or writable), so
+``ZMQ_EVENTS`` is read before every wait and again after every wake-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, cast
+
+import anyio
+import zmq
+
+__all__ = ["Connection", "wait_events", "wait_room"]
+
+
+async def wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
+    """Return once ``sock``'s ``ZMQ_EVENTS`` has ``event``; checkpoints only if it waits.
+
+    :raises anyio.ClosedResourceError: if the socket is closed (``notify_closing``) meanwhile.
+    """
+    while not cast(int, sock.getsockopt(zmq.EVENTS)) & event:
+        await anyio.wait_readable(fd)
+
+
+async def wait_room(connection: Connection) -> None:
+    """Return once the socket takes a message; checkpoints only if it waits."""
+    sock, fd = connection.socket, connection.fd
+    while not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+        connection.parked = True
+        try:
+            await anyio.wait_readable(fd)
+        finally:
+            connection.parked = False
+
+
+@dataclasses.dataclass(eq=False)
+class Connection:
+    """One PUSH socket to one endpoint, and what its sends need to know of it."""
+
+    url: str
+    socket: zmq.Socket[Any]
+    fd: int
+    # Held by the one send that may wait for room (sends queue for it, one after another).
+    # Fast acquire: taking it free costs no pass through the event loop (the send's own
+    # cancellation point comes before it, its scheduling point after), so a send that finds
+    # room queues its message at once instead of yielding while other sends pile up behind
+    # the lock.
+    lock: anyio.Lock = dataclasses.field(default_factory=lambda: anyio.Lock(fast_acquire=True))
+    # Set while that send is parked on the socket's descriptor. ZMQ's descriptor is edge
+    # triggered: reading ZMQ_EVENTS (as send_nowait does) would swallow the wake-up the
+    # parked send waits for, so send_nowait leaves the socket alone meanwhile.
+    parked: bool = False
+    # Set once the socket was closed (break_off); any message still queued on it then was
+    # dropped.
+    broken: bool = False
+    # Sends between their connect and ZMQ's release of their payload (busy while any).
+    users: int = 0
+    # Set by every message queued; the idle sweep clears it, and closes a socket it finds
+    # cleared (nothing queued for a whole sweep period) and not busy.
+    used: bool = True
+    # The trackers of zero-copy payloads queued here whose sends still wait for the release.
+    held: set[zmq.MessageTracker] = dataclasses.field(default_factory=set)
+    # Those of them ZMQ had not released yet when the socket was closed: their messages were
+    # dropped with the queue. A payload released before the close had left whole (ZMQ lets
+    # go of a frame once it is written to the kernel), so its send did not fail.
+    dropped: frozenset[zmq.MessageTracker] = frozenset()
+
+    def break_off(self) -> None:
+        """Close the socket with linger 0 (ZMQ drops its queue); idempotent. Not a
+        checkpoint. A send waiting for room on it is woken (and sees ``broken``)."""
+        if self.broken:
+            return
+        self.broken = True
+        self.dropped = frozenset(tracker for tracker in self.held if not tracker.done)
+        anyio.notify_closing(self.fd)
+        self.socket.close(linger=0)
+
+    def lost(self, tracker: zmq.MessageTracker) -> bool:
+        """Whether closing the socket dropped the message ``tracker`` tracks."""
+        return tracker in self.dropped
+
+    @property
+    def idle(self) -> bool:
+        """No send uses the socket and nothing was queued on it since the last sweep."""
+        return self.users == 0 and not self.used and not self.lock.locked()

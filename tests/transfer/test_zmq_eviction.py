@@ -1,0 +1,126 @@
+"""ZmqPushPool's evictions (a socket closed with linger 0 on a failed send) over real ZMQ
+sockets, on asyncio and Trio: who fails with it, who does not, and who moves on."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+import zmq
+
+from encdisagg import TransferError
+from encdisagg.transfer import ZmqPushPool, ZmqReceiver, payload_view
+
+from ._zmq_helpers import NOBODY, TRACKED, TrackingContext, free_tcp_url, image_header
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_send_whose_queue_was_dropped_by_another_failure_fails(
+    tracking: TrackingContext,
+) -> None:
+    first, second = torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()
+    outcome: list[str] = []
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+
+                async def survivor() -> None:
+                    with pytest.raises(TransferError, match="connection was reset"):
+                        await pool.send(NOBODY, image_header("a", TRACKED), payload_view(first))
+                    outcome.append("a failed")
+
+                async def victim(scope: anyio.CancelScope) -> None:
+                    with scope:
+                        await pool.send(NOBODY, image_header("b", TRACKED), payload_view(second))
+
+                tg.start_soon(survivor)
+                scope = anyio.CancelScope()
+                tg.start_soon(victim, scope)
+                await anyio.wait_all_tasks_blocked()
+                assert len(tracking.trackers) == 2
+                scope.cancel()
+    assert outcome == ["a failed"]
+    assert all(tracker.done for tracker in tracking.trackers)
+
+
+async def test_the_next_send_reconnects_after_an_eviction() -> None:
+    url = free_tcp_url()
+    tensor = torch.randn(TRACKED, 16).half()
+    async with ZmqPushPool(immediate=False, send_timeout_s=0.2) as pool:
+        with anyio.fail_after(10):
+            with pytest.raises(TransferError, match="timed out"):
+                await pool.send(url, image_header("early", TRACKED), payload_view(tensor))
+            assert pool.endpoints == frozenset()
+            async with ZmqReceiver(url) as rx:
+                await pool.send(url, image_header("later", TRACKED), payload_view(tensor))
+                part = await rx.receive()
+    assert part.header.req_id == "later"
+    assert part.tensor is not None
+    assert torch.equal(part.tensor, tensor)
+
+
+async def test_a_send_waiting_for_room_moves_to_a_fresh_socket_after_an_eviction(
+    tracking: TrackingContext,
+) -> None:
+    first, second = torch.ones(TRACKED, 16).half(), torch.ones(TRACKED, 16).half()
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking, sndhwm=1) as pool:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                first_scope, first_returned = anyio.CancelScope(), anyio.Event()
+
+                async def send_first() -> None:
+                    with first_scope:
+                        await pool.send(NOBODY, image_header("first", TRACKED), payload_view(first))
+                    first_returned.set()
+
+                tg.start_soon(send_first)
+                await anyio.wait_all_tasks_blocked()
+                tg.start_soon(
+                    pool.send, NOBODY, image_header("second", TRACKED), payload_view(second)
+                )
+                await anyio.wait_all_tasks_blocked()
+                assert len(tracking.trackers) == 1
+                # Cancelling the queued send closes its socket, which wakes the send that
+                # waits for room: it queues its message on a new socket instead.
+                first_scope.cancel()
+                await first_returned.wait()
+                await anyio.wait_all_tasks_blocked()
+                first_tracker, second_tracker = tracking.trackers
+                assert first_tracker.done
+                assert not second_tracker.done
+                assert pool.endpoints == {NOBODY}
+                tg.cancel_scope.cancel()
+            assert second_tracker.done
+
+
+async def test_a_send_released_before_another_failure_closed_its_socket_succeeds(
+    tracking: TrackingContext,
+) -> None:
+    """ZMQ let go of the payload (its message was written whole) before another send's
+    failure closed the socket, but the send had not looked yet: it did not fail."""
+    url = free_tcp_url()
+    receiver = tracking.socket(zmq.PULL)
+    receiver.setsockopt(zmq.RCVTIMEO, 5000)
+    receiver.bind(url)
+    tensor = torch.randn(TRACKED, 16).half()
+    outcome: list[str] = []
+    async with ZmqPushPool(immediate=False, send_timeout_s=30, context=tracking) as pool:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def send() -> None:
+                    await pool.send(url, image_header("sent", TRACKED), payload_view(tensor))
+                    outcome.append("sent")
+
+                tg.start_soon(send)
+                await anyio.wait_all_tasks_blocked()
+                (tracker,) = tracking.trackers
+                # Blocking the loop: the send cannot look at its release before the close.
+                frames = receiver.recv_multipart()
+                tracker.wait(5)
+                # What a failing send to the same endpoint does to the socket.
+                pool._evict(pool._connections[url])
+    assert outcome == ["sent"]
+    assert bytes(frames[1]) == tensor.numpy().tobytes()
+    receiver.close(linger=0)
