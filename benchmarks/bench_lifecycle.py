@@ -18,6 +18,12 @@ For comparison, the same work without the Encoder (``preprocess``, ``forward``,
 loop) gives the floor: the ratio shows what the ownership tree, batching, worker-thread
 hops and bookkeeping cost per operation.
 
+Each of the three calls is a checkpoint, and with nothing else to wait for, each one's
+schedule point is a whole pass through the event loop. At concurrency 1 every pair also
+runs the Encoder with its calls made cancel points alone (an attribution of cost, not a mode
+users get: a loop of such calls would never let another task run), to show what those three
+passes cost beside the rest.
+
 Concurrency 1, 64 and 256, on asyncio and on Trio. Every cell is measured in pairs with the
 floor, side by side in one run (the order inside a pair alternates); a cell's ratio is the
 median of its pairs' ratios, and its rate the median run.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 from typing import Any
 
 from _common import (
@@ -63,7 +70,9 @@ def _parts() -> tuple[Any, Any, Any, list[Any]]:
     return model, sender, receiver, buffers
 
 
-async def _run_cell(concurrency: int, operations: int, tag: str) -> dict[str, Any]:
+async def _run_cell(
+    concurrency: int, operations: int, tag: str, *, schedule_points: bool = True
+) -> dict[str, Any]:
     import anyio
 
     from encdisagg import Encoder, EncoderConfig, EncodeRequest, MooncakeDestination
@@ -73,6 +82,10 @@ async def _run_cell(concurrency: int, operations: int, tag: str) -> dict[str, An
     latencies: list[float] = []
     counter = iter(range(operations))
     async with Encoder(config, model=model, engine=sender) as encoder:
+        if not schedule_points:
+            # What the three schedule points cost (an attribution, not a mode users get):
+            # the Encoder's calls become cancel points alone. Nothing else here waits.
+            encoder._lifecycle.checkpoint = anyio.lowlevel.checkpoint_if_cancelled
 
         async def worker(slot: int) -> None:
             destination = MooncakeDestination("receiver", buffers[slot].data_ptr(), f"rx:{slot}")
@@ -103,6 +116,12 @@ async def _run_cell(concurrency: int, operations: int, tag: str) -> dict[str, An
         "ops_per_s": len(latencies) / elapsed,
         "latency": latency_summary(latencies),
     }
+
+
+def _run_bare(operations: int, tag: str, backend: str) -> dict[str, Any]:
+    import anyio
+
+    return anyio.run(partial(_run_cell, 1, operations, tag, schedule_points=False), backend=backend)
 
 
 def _raw_floor(operations: int) -> dict[str, Any]:
@@ -191,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     cells: dict[str, list[dict[str, Any]]] = {backend: [] for backend in BACKENDS}
     for concurrency in CONCURRENCY:
         for backend in BACKENDS:
-            runs, floors = [], []
+            runs, floors, bare = [], [], []
             for r in range(max(repeats, 3)):
                 if r % 2 == 0:
                     floors.append(_raw_floor(operations)["ops_per_s"])
@@ -200,15 +219,24 @@ def main(argv: list[str] | None = None) -> int:
                         _run_cell, concurrency, operations, f"c{concurrency}-{r}", backend=backend
                     )
                 )
+                if concurrency == 1:
+                    bare.append(_run_bare(operations, f"bare-{r}", backend))
                 if r % 2 == 1:
                     floors.append(_raw_floor(operations)["ops_per_s"])
             cell = _median_cell(runs, floors)
+            if bare:
+                cell["without_schedule_points"] = _median_cell(bare, floors)
             cells[backend].append(cell)
             print(
                 f"{backend:>7} c={concurrency:<3}: {cell['ops_per_s']:7.0f} ops/s "
                 f"({cell['ratio_to_floor']:.2f}x the floor beside it), "
                 f"p50 {cell['latency']['p50_ms']:.2f} ms, p99 {cell['latency']['p99_ms']:.2f} ms"
             )
+            if bare:
+                print(
+                    f"{'':>7}        without the schedule points: "
+                    f"{cell['without_schedule_points']['ratio_to_floor']:.2f}x the floor"
+                )
     heads = [
         headline(
             f"lifecycle {backend} c={cell['concurrency']} / raw floor",
@@ -221,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"p50 {cell['latency']['p50_ms']:.2f} ms, p99 "
                 f"{cell['latency']['p99_ms']:.2f} ms; "
                 f"{cell['ratio_to_floor']:.2f}x raw calls (pairs measured side by side)"
+                + (
+                    f"; {cell['without_schedule_points']['ratio_to_floor']:.2f}x without "
+                    "the three schedule points"
+                    if "without_schedule_points" in cell
+                    else ""
+                )
             ),
         )
         for backend in BACKENDS
