@@ -329,7 +329,8 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
                     connection.users -= 1
         connection.used = True
         released_at_once = tracker.done
-        connection.held.add(tracker)
+        if not released_at_once:
+            connection.held.add(tracker)
         try:
             await self._wait_released(connection, tracker, what, on_still_held)
         finally:
