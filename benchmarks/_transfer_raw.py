@@ -8,6 +8,8 @@ import time
 import weakref
 from typing import Any
 
+from _transfer_peers import ack_wait
+
 
 def mooncake_raw(engine: Any, session: str, remote: int, local: int, size: int, n: int) -> float:
     start = time.perf_counter()
@@ -105,8 +107,6 @@ class ZmqRawSender:
     def loop(self, size: int, n: int, pipelined: bool, sources: list[Any] | None = None) -> float:
         """N messages in a plain loop: each waited for (ZMQ's tracker) before the next, or
         all queued and then waited for; bytes/s until the receiver acknowledged all."""
-        from _transfer_peers import ack_wait
-
         header = self._header(size)
         payloads = (
             [memoryview(buf) for buf in sources] if sources else [memoryview(self._source[:size])]
@@ -136,7 +136,6 @@ class ZmqRawSender:
         plain loop is woken by no message at all."""
         import anyio
         import zmq
-        from _transfer_peers import ack_wait
 
         from encdisagg.nurseries import ThreadSafeEvent
 
