@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from encdisagg import BadRequestError, Encoder, EncoderConfig, EncodeRequest, Modality
+from encdisagg._video_timing import video_timing
 from encdisagg.cache import (
     GlobalCacheStats,
     KeySpace,
@@ -20,7 +21,7 @@ from encdisagg.cache import (
     read_entry,
 )
 from encdisagg.encoder import EncoderEvents, ZmqDestination
-from encdisagg.models import QwenVisionModel
+from encdisagg.models import QwenVisionModel, load_model
 from encdisagg.transfer import ZmqReceiver, payload_view
 
 from ._cluster import Cluster
@@ -200,3 +201,21 @@ async def test_bad_items_are_named_by_their_place_in_the_request(
         await received(encoder, EncodeRequest("warm", [good]))
         with pytest.raises(BadRequestError, match=r"mm_items\[1\]"):
             await encoder.encode(EncodeRequest("bad", [good, b"not an image"]))
+
+
+async def test_a_video_keeps_its_timing_and_leaves_the_global_tier_alone(
+    cluster: Cluster, image: MakeImage
+) -> None:
+    """The global tier stores rows and grids, not a video's timing (which comes from the
+    request's fps at preprocessing): a video is encoded past it, its timing intact."""
+    model = load_model("tiny-qwen2.5-vl")
+    video = {"frames": [image(300 + n) for n in range(5)], "fps": 4}
+    async with open_encoder(cluster, model) as encoder, ZmqReceiver() as receiver:
+        result = await encoder.encode(EncodeRequest("v", [video], modality="video"))
+        await encoder.send("v", ZmqDestination(receiver.url))
+        with anyio.fail_after(30):
+            part = await receiver.receive()
+        stats = stats_of(encoder)
+    assert result.video_timing == (video_timing(5, 2, fps=4),)
+    assert part.header.video_timing == result.video_timing
+    assert (stats.hits, stats.misses, stats.inserts) == (0, 0, 0)

@@ -199,7 +199,9 @@ class ComputePath:
         holding: QueuedHolding,
         trace: _tracing.Trace | None,
     ) -> tuple[torch.Tensor, Preprocessed, bool]:
-        if self._global is not None:
+        # The global tier keeps rows and grids but not a video's timing (it comes from the
+        # request's fps as the frames are preprocessed): a video goes past it.
+        if self._global is not None and request.kind is not Modality.VIDEO:
             rows, pre = await self._encode_items(request, holding, trace)
             on_preprocessed(pre)
             return rows, pre, False
