@@ -208,14 +208,23 @@ async def test_a_video_keeps_its_timing_and_leaves_the_global_tier_alone(
 ) -> None:
     """The global tier stores rows and grids, not a video's timing (which comes from the
     request's fps at preprocessing): a video is encoded past it, its timing intact."""
-    model = load_model("tiny-qwen2.5-vl")
-    video = {"frames": [image(300 + n) for n in range(5)], "fps": 4}
-    async with open_encoder(cluster, model) as encoder, ZmqReceiver() as receiver:
-        result = await encoder.encode(EncodeRequest("v", [video], modality="video"))
+    model = CountingModel(load_model("tiny-qwen2.5-vl"))
+    frames = [image(300 + n) for n in range(5)]
+    async with (
+        open_encoder(cluster, model, prefix_cache_mb=64) as encoder,
+        ZmqReceiver() as receiver,
+    ):
+        request = EncodeRequest("v", [{"frames": frames, "fps": 4}], modality="video")
+        result = await encoder.encode(request)
         await encoder.send("v", ZmqDestination(receiver.url))
         with anyio.fail_after(30):
             part = await receiver.receive()
+        # The same frames at another rate: the local tier's rows, this request's timing.
+        again = await encoder.encode(EncodeRequest("w", [{"frames": frames}], modality="video"))
+        await encoder.release("w")
         stats = stats_of(encoder)
     assert result.video_timing == (video_timing(5, 2, fps=4),)
     assert part.header.video_timing == result.video_timing
+    assert again.video_timing == (video_timing(5, 2, fps=2),)
+    assert model.forwarded == 1
     assert (stats.hits, stats.misses, stats.inserts) == (0, 0, 0)
