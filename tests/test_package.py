@@ -97,6 +97,9 @@ def test_from_mapping_rejects_unknown_keys_by_name() -> None:
         ({"default_receive_count": 0}, "default_receive_count"),
         ({"model": ""}, "model"),
         ({"mooncake_protocol": "udp"}, "mooncake_protocol"),
+        ({"mooncake_poll_on_loop_s": -0.1}, "mooncake_poll_on_loop_s"),
+        ({"mooncake_poll_on_loop_s": float("nan")}, "mooncake_poll_on_loop_s"),
+        ({"mooncake_poll_on_loop_s": float("inf")}, "mooncake_poll_on_loop_s"),
     ],
 )
 def test_invalid_values_name_the_field(changes: dict[str, object], field: str) -> None:

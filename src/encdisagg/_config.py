@@ -7,6 +7,7 @@ unknown keys by name, so a typo in a deployment file fails loudly instead of bei
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -127,6 +128,9 @@ class EncoderConfig:
     mooncake_host: str = "127.0.0.1"
     #: RDMA device names for Mooncake (empty: auto).
     mooncake_device: str = ""
+    #: How long a Mooncake write is checked once per event-loop turn before the engine's
+    #: completion thread polls it (0: always the thread, for hosts whose cores are scarce).
+    mooncake_poll_on_loop_s: float = 0.1
     #: Largest accepted media item, in bytes.
     max_media_bytes: int = 64 * 1024 * 1024
     #: Domains from which http(s) media may be fetched; empty disables remote media.
@@ -210,6 +214,11 @@ class EncoderConfig:
             )
         if self.zmq_curve_server_key is not None or self.zmq_curve_server_keys:
             self.zmq_push_options()  # a malformed key fails here, naming its field
+        if not 0 <= self.mooncake_poll_on_loop_s < math.inf:
+            raise BadRequestError(
+                "mooncake_poll_on_loop_s must be 0 or a positive number; "
+                f"got {self.mooncake_poll_on_loop_s}"
+            )
         if self.prefix_cache_mb < 0:
             raise BadRequestError(f"prefix_cache_mb must be 0 or more; got {self.prefix_cache_mb}")
         if self.staging_arena_mb is not None and self.staging_arena_mb < 0:

@@ -27,7 +27,7 @@ from encdisagg import (
     ZmqDestination,
 )
 from encdisagg.models import QwenVisionModel, load_model
-from encdisagg.transfer import ZmqReceiver
+from encdisagg.transfer import MooncakeEngine, ZmqReceiver
 
 from .fakes import ScriptedModel
 
@@ -137,12 +137,18 @@ async def _read_json(lines: BufferedByteReceiveStream) -> Any:
     return json.loads(await lines.receive_until(b"\n", 1 << 16))
 
 
+@pytest.mark.parametrize(
+    "poll_on_loop_s", [0.1, 0.0], ids=["polled-on-the-loop", "polled-by-the-thread"]
+)
 async def test_staged_embedding_crosses_processes_over_mooncake_tcp(
-    make_encoder: MakeEncoder, tmp_path: Path
+    make_encoder: MakeEncoder, tmp_path: Path, poll_on_loop_s: float
 ) -> None:
     model = ScriptedModel(hidden_size=64)
     stderr_path = tmp_path / "peer.stderr"
-    async with make_encoder(model=model, transfer="mooncake") as encoder:
+    config = {"transfer": "mooncake", "mooncake_poll_on_loop_s": poll_on_loop_s}
+    async with make_encoder(model=model, **config) as encoder:
+        assert isinstance(encoder.engine, MooncakeEngine)
+        assert encoder.engine.poll_on_loop_s == poll_on_loop_s
         result = await encoder.encode(EncodeRequest("mc", [512, 300]))
         assert encoder.stats().registered_regions == 1
         expected = expected_embedding(model, [512, 300])

@@ -60,6 +60,7 @@ async def open_engine(config: EncoderConfig, stack: AsyncExitStack) -> TransferE
                 metadata_server=config.mooncake_metadata,
                 protocol=config.mooncake_protocol,
                 device_name=config.mooncake_device,
+                poll_on_loop_s=config.mooncake_poll_on_loop_s,
             )
         )
         return engine

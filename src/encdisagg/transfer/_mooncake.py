@@ -144,6 +144,12 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         self._waiter = CompletionWaiter()
 
     @property
+    def poll_on_loop_s(self) -> float:
+        """How long :meth:`write_async` checks a write on the event loop (the constructor's
+        ``poll_on_loop_s``)."""
+        return self._poll_on_loop_s
+
+    @property
     def session_id(self) -> str:
         """How peers address this engine: ``"host:rpc_port"`` in P2PHANDSHAKE mode, else the
         ``hostname`` given to Mooncake.
