@@ -5,7 +5,6 @@ an async sender needs)."""
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any
 
 from _transfer_peers import ack_wait
@@ -138,19 +137,16 @@ class ZmqRawSender:
         import zmq
 
         from encdisagg.nurseries import ThreadSafeEvent
+        from encdisagg.transfer._zmq_release import send_signalled
 
         header = self._header(size)
         push = self._async_push
         schedule = ThreadSafeEvent.loop_scheduler()
 
         async def send(payload: memoryview) -> None:
-            released = ThreadSafeEvent(schedule)
-            view = memoryview(payload)
-            weakref.finalize(view, released.set_from_thread)
             push.send(header, zmq.NOBLOCK | zmq.SNDMORE)
-            push.send(view, zmq.NOBLOCK, copy=False, track=True)
-            del view
-            await released.wait()
+            tracker = send_signalled(push, payload, zmq.NOBLOCK, schedule)
+            await tracker.released.wait()
 
         count = max(1, len(self._source) // size)
         payloads = [memoryview(self._source[(i % count) * size :][:size]) for i in range(n)]
