@@ -90,7 +90,13 @@ async def test_soak_has_no_violations_and_no_leaks(anyio_backend_name: str) -> N
         class ClientLeft(Exception):
             """The client gave up on a call (its read timeout ran out) and disconnected."""
 
-        async def call(step: str, route: str, body: dict[str, Any], patience: float) -> int:
+        async def call(
+            step: str,
+            route: str,
+            body: dict[str, Any],
+            patience: float,
+            encode_started: float | None = None,
+        ) -> int:
             timeout = httpx.Timeout(20.0, read=patience)
             with anyio.move_on_after(15) as bound:  # every bound inside is far shorter
                 try:
@@ -104,6 +110,14 @@ async def test_soak_has_no_violations_and_no_leaks(anyio_backend_name: str) -> N
                 return -1
             status = response.status_code
             answers[f"{step} {status}"] += 1
+            if (
+                status == 409
+                and encode_started is not None
+                and time.perf_counter() - encode_started >= config.send_timeout_s
+            ):
+                # Staged for longer than send_timeout_s (a loaded machine answers slowly):
+                # the request expired on its own deadline, as it should.
+                return status
             if status not in ALLOWED[step]:
                 violations.append(f"{route} {body}: {status} {response.text[:200]}")
             return status
@@ -124,8 +138,10 @@ async def test_soak_has_no_violations_and_no_leaks(anyio_backend_name: str) -> N
             rid = f"soak-{index}"
             roll = rng.random()
 
+            encode_started: float | None = None
+
             async def step(name: str, route: str, body: dict[str, Any]) -> int:
-                return await call(name, route, body, patience)
+                return await call(name, route, body, patience, encode_started)
 
             if roll < 0.05:
                 await step("malformed", "/encode", {"req_id": rid, "mm_items": "not a list"})
@@ -134,8 +150,10 @@ async def test_soak_has_no_violations_and_no_leaks(anyio_backend_name: str) -> N
                 body = {"req_id": f"never-{index}", "receive_url": receiver.url}
                 await step("unknown", "/send", body)
                 return
+            started = time.perf_counter()
             if await step("encode", "/encode", {"req_id": rid, "mm_items": [rid]}) != 200:
                 return
+            encode_started = started
             if roll < 0.20:
                 await step("release", "/release", {"req_id": rid})
             elif roll < 0.30:
