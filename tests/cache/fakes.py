@@ -19,7 +19,8 @@ class MemoryStore:
     """An ``EmbeddingStore`` in a dict. Every switch applies to the calls made after it is set.
 
     ``fail``: call name → exception raised by that call. ``gone``: keys ``fetch`` cannot read.
-    ``gate``: when set, every call waits for it (to play a stalled store).
+    ``gate``: when set, every call waits for it (to play a stalled store). :meth:`entered`
+    and :meth:`hold` watch and stall calls of one name.
     """
 
     def __init__(self) -> None:
@@ -30,10 +31,24 @@ class MemoryStore:
         self.calls: list[tuple[str, tuple[str, ...]]] = []
         self.closed = False
         self._lock = threading.Lock()
+        self._entered: dict[str, threading.Event] = {}
+        self._held: dict[str, threading.Event] = {}
+
+    def entered(self, call: str) -> threading.Event:
+        """An event set once a call named ``call`` starts (from now on)."""
+        return self._entered.setdefault(call, threading.Event())
+
+    def hold(self, call: str) -> threading.Event:
+        """Calls named ``call`` wait, once started, until the returned event is set."""
+        return self._held.setdefault(call, threading.Event())
 
     def _enter(self, call: str, keys: Sequence[str]) -> None:
         with self._lock:
             self.calls.append((call, tuple(keys)))
+        if call in self._entered:
+            self._entered[call].set()
+        if call in self._held:
+            self._held[call].wait(30)
         gate = self.gate
         if gate is not None:
             gate.wait(30)

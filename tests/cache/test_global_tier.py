@@ -174,6 +174,30 @@ async def test_invalid_entries_are_evicted(
     assert "is invalid" in caplog.text
 
 
+async def test_an_invalid_entry_is_evicted_before_its_recomputed_rows_are_inserted(
+    url: Callable[..., GlobalCacheSettings],
+) -> None:
+    store, recorder = MemoryStore(), Recorder()
+    store.values["k"] = b"definitely not an entry"
+    async with recorder.cache(url(), store) as cache:
+        removing, release = store.entered("remove"), store.hold("remove")
+        assert await cache.lookup(["k"]) == {}
+        # The eviction runs in its thread and stays there; the rows, recomputed, come in.
+        assert await anyio.to_thread.run_sync(removing.wait, 10)
+        assert cache.insert_soon("k", item(5.0))
+        # The second background thread is free, but the insert waits for the eviction.
+        assert not await anyio.to_thread.run_sync(store.entered("put").wait, 0.3)
+        release.set()
+        await cache.drain()
+        assert [call for call, _ in store.calls if call in ("remove", "put")] == [
+            "remove",
+            "put",
+        ]
+        found = await cache.lookup(["k"])
+    assert torch.equal(found["k"].rows, item(5.0).rows)
+    assert (cache.stats().evictions, cache.stats().inserts) == (1, 1)
+
+
 async def test_failed_inserts_are_logged_and_counted(
     url: Callable[..., GlobalCacheSettings], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -106,6 +106,9 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         )
         # Inserts and evictions waiting or running; `_idle` is set whenever it is 0.
         self._pending = 0
+        # Per key, the event the newest insert or eviction of it sets when it ended: the next
+        # one of that key waits for it, so the store sees them in the order they were asked.
+        self._last_by_key: dict[str, anyio.Event] = {}
         self._idle = anyio.Event()
         self._idle.set()
         self._entered = False
@@ -288,7 +291,7 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         ):
             self._count("inserts_dropped", 1)
             return False
-        self._start(group, self._insert, store, key, item, name="global cache insert")
+        self._start(group, key, self._insert, store, key, item, name="global cache insert")
         return True
 
     def evict_soon(self, key: str) -> None:
@@ -297,11 +300,12 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         group = self._group
         if store is None or group is None:
             return
-        self._start(group, self._evict, store, key, name="global cache eviction")
+        self._start(group, key, self._evict, store, key, name="global cache eviction")
 
     def _start(
         self,
         group: ServiceTaskGroup,
+        key: str,
         func: Callable[..., Awaitable[None]],
         *args: object,
         name: str,
@@ -309,12 +313,29 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         if self._pending == 0:
             self._idle = anyio.Event()
         self._pending += 1
-        group.start_soon(self._background, func, *args, name=name)
+        # In order per key: with two background threads, the eviction of an invalid entry
+        # could otherwise run during or after the insert of its recomputed rows and take
+        # the fresh entry with it.
+        before = self._last_by_key.get(key)
+        ended = self._last_by_key[key] = anyio.Event()
+        group.start_soon(self._background, key, before, ended, func, *args, name=name)
 
-    async def _background(self, func: Callable[..., Awaitable[None]], *args: object) -> None:
+    async def _background(
+        self,
+        key: str,
+        before: anyio.Event | None,
+        ended: anyio.Event,
+        func: Callable[..., Awaitable[None]],
+        *args: object,
+    ) -> None:
         try:
+            if before is not None:
+                await before.wait()
             await func(*args)
         finally:
+            ended.set()
+            if self._last_by_key.get(key) is ended:
+                del self._last_by_key[key]
             self._pending -= 1
             if self._pending == 0:
                 self._idle.set()
