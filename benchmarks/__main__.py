@@ -140,6 +140,12 @@ BENCHES: tuple[Bench, ...] = (
     Bench(
         "lifecycle", "bench_lifecycle.py", "encode+send+release, null model, loopback", _own_args
     ),
+    Bench(
+        "instructions",
+        "bench_instructions.py",
+        "the one-task lifecycle and its floor in instructions (callgrind)",
+        _own_args,
+    ),
     Bench("http", "bench_http.py", "/encode + /send through Hypercorn, c=64", _own_args),
     Bench("batching", "bench_batching.py", "tiny model, max_batch_size 1 vs 8, c=16", _own_args),
     Bench(

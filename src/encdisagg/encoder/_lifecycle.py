@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -132,12 +133,6 @@ class RequestLifecycle:
         record.cancel_jobs()
         self.request_release(record)
 
-    def _metadata_publisher(self, record: RequestRecord) -> Callable[[Preprocessed], None]:
-        def publish(pre: Preprocessed) -> None:
-            self._publish_metadata(record, pre)
-
-        return publish
-
     def _publish_metadata(self, record: RequestRecord, pre: Preprocessed) -> None:
         num_tokens = sum(pre.token_counts)
         hidden, dtype, itemsize = self._layout
@@ -237,7 +232,8 @@ class RequestLifecycle:
         record = job.record
         request = record.request
         compute = self._compute
-        on_preprocessed = self._metadata_publisher(record)
+        # A partial, not a closure: nothing per request to build beyond one C object.
+        on_preprocessed = partial(self._publish_metadata, record)
         trace = record.trace
         if compute.inline and trace is None:
             rows, from_cache = compute.run_inline(request, on_preprocessed)
