@@ -35,7 +35,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +82,12 @@ def _operations(side: str, backend: str) -> Any:
     return lambda n: anyio.run(checkpoints, n, backend=backend)
 
 
-def _child(side: str, backend: str, n: int, flag: str) -> int:
+def _child(side: str, backend: str, n: int) -> int:
     run = _operations(side, backend)
     run(200)  # warm-up, uninstrumented
     print(f"READY {os.getpid()}", flush=True)
-    while not os.path.exists(flag):
-        time.sleep(0.05)
+    sys.stdin.readline()  # the parent's go, once instrumentation is on
     run(n)
-    sys.stdout.flush()
     # Nothing after the counted run: the interpreter's teardown would be counted too.
     os._exit(0)
 
@@ -101,7 +98,6 @@ def _child(side: str, backend: str, n: int, flag: str) -> int:
 def _count(side: str, backend: str, n: int) -> int:
     """Instructions of one child: ``n`` operations plus what every child of ``side`` adds."""
     with tempfile.TemporaryDirectory(prefix="encdisagg-callgrind-") as folder:
-        flag = Path(folder, "go")
         log = Path(folder, "valgrind.log")
         command = [
             "valgrind",
@@ -115,12 +111,17 @@ def _count(side: str, backend: str, n: int) -> int:
             side,
             backend,
             str(n),
-            str(flag),
         ]
         env = {**python_env(), "PYTHONHASHSEED": "0"}
         with subprocess.Popen(
-            command, stdout=subprocess.PIPE, text=True, env=env, cwd=BENCH_DIR
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=BENCH_DIR,
         ) as child:
+            assert child.stdin is not None
             assert child.stdout is not None
             line = child.stdout.readline()
             if not line.startswith("READY "):
@@ -133,7 +134,8 @@ def _count(side: str, backend: str, n: int) -> int:
                 capture_output=True,
                 timeout=60,
             )
-            flag.touch()
+            child.stdin.write("go\n")
+            child.stdin.flush()
             try:
                 child.wait(timeout=_CHILD_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -160,8 +162,8 @@ def _per_operation(
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--child"]:
-        side, backend, n, flag = args[1:5]
-        return _child(side, backend, int(n), flag)
+        side, backend, n = args[1:4]
+        return _child(side, backend, int(n))
     options: Options = parse_options(__doc__.splitlines()[0], args)
     missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
     if missing:
