@@ -36,6 +36,27 @@ async def mooncake_raw_hopped(
     return size * n / (time.perf_counter() - start)
 
 
+async def mooncake_submit_poll(
+    engine: Any, session: str, remote: int, local: int, size: int, n: int
+) -> float:
+    """Raw, but awaited on the event loop: each write submitted (``transfer_submit_write``)
+    and its status checked once per turn of the loop until done, as the Encoder waits for
+    its writes. Nothing else: no argument or range checks, no cancellation shield, no
+    bookkeeping. The least any async sender whose sends each return once the write ended
+    does; the plain loop spins in ``transfer_sync_write`` instead."""
+    from encdisagg.nurseries import loop_checkpoint
+
+    checkpoint = loop_checkpoint()
+    start = time.perf_counter()
+    for _ in range(n):
+        batch = engine.transfer_submit_write(session, local, remote, size)
+        while (rc := engine.transfer_check_status(batch)) == 0:
+            await checkpoint()
+        if rc != 1:
+            raise RuntimeError(f"raw transfer_submit_write failed (rc={rc})")
+    return size * n / (time.perf_counter() - start)
+
+
 def mooncake_raw_distinct(engine: Any, session: str, remote: int, sources: list[Any]) -> float:
     """Raw, but each message from its own buffer (all registered before the clock starts), as
     the Encoder sends a distinct embedding each time: the one-buffer loop re-reads memory
