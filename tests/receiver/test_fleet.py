@@ -187,6 +187,50 @@ async def test_an_encoder_whose_lease_ends_mid_encode_is_failed_over(etcd: EtcdS
         assert rx.stats().parts_received == 1
 
 
+async def test_a_part_sent_but_lost_with_its_encoder_is_failed_over(etcd: EtcdServer) -> None:
+    registry = etcd.registry()
+
+    async def light() -> EncoderLoad:
+        return EncoderLoad(0, 0)
+
+    async def heavier() -> EncoderLoad:
+        return EncoderLoad(queue_depth=4, staged_bytes=0)
+
+    # A's /send answers 200 and pushes nothing: the message died queued in a killed process.
+    lost = Faults(fail={"/send": 200})
+    async with (
+        fleet_encoder(registry, faults=lost, load=light, retry_s=60.0) as (url_a, _, reg_a, _),
+        fleet_encoder(registry, load=heavier) as (_, faults_b, _, _),
+        EncoderClient(registry=registry) as client,
+        receiver() as rx,
+        anyio.create_task_group() as group,
+    ):
+        fleet = client.fleet
+        assert fleet is not None
+        with anyio.fail_after(WAIT_S):
+            await fleet.wait_for(2)
+        done = anyio.Event()
+
+        async def fetch() -> None:
+            async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
+                assert torch.equal(got.parts[0].tensor, expected(["x"]))
+            done.set()
+
+        group.start_soon(fetch)
+        with anyio.fail_after(WAIT_S):
+            while calls(lost, "/send") != ["r#0"]:
+                await anyio.wait_all_tasks_blocked()
+        # Its lease ends (revoked here, as etcd does when the TTL passes without a renewal).
+        assert reg_a._lease is not None
+        async with EtcdClient(reg_a.registry) as etcd_client:
+            await etcd_client.revoke(reg_a._lease)
+        with anyio.fail_after(WAIT_S):
+            await done.wait()
+        assert url_a not in fleet.view
+        assert calls(faults_b, "/encode") == ["r~1#0"]
+        assert rx.stats().parts_received == 1
+
+
 async def test_a_draining_encoder_takes_no_new_parts_and_finishes_its_own(
     etcd: EtcdServer,
 ) -> None:

@@ -1,9 +1,11 @@
 """``fetch_from_fleet``: :func:`fetch_embeddings` over a registry's fleet, with failover.
 
 A request is planned over the live encoders and fetched as :func:`fetch_embeddings` does.
-If an encoder it uses fails before its part was delivered — it answers 503, the
-connection is lost, or its lease runs out (it leaves the view) while its part is still
-being encoded or sent — the attempt is cut short: every part dispatched is released
+If an encoder it uses fails before its part's bytes arrived — it answers 503, the
+connection is lost, or its lease runs out (it leaves the view) while its part is being
+encoded or sent, or was sent but has not arrived (a ZMQ ``/send`` may return while the
+message is still queued in the encoder's process, and a killed process takes it along) —
+the attempt is cut short: every part dispatched is released
 (shielded, bounded; parts on an encoder that is gone are left to their deadline there),
 the encoder is left out, and the request is planned again over the others under fresh part
 ids (``rid~1#0``, ``rid~1#1``...), within the request's one deadline. A late delivery of
@@ -147,7 +149,6 @@ async def _gather(
 ) -> ReceivedEmbeddings:
     """One attempt: every part at once, cut short by a failure or a departure."""
     dispatched: list[PartPlan] = []
-    delivered: set[int] = set()
     plan: RequestPlan = pending.plan
 
     async def one(part: PartPlan) -> None:
@@ -162,16 +163,17 @@ async def _gather(
                 fleet.mark_failed(part.url)
             raise
         pending.note_sent(part.part_idx)
-        delivered.add(part.part_idx)
 
     async def watch_departures() -> None:
-        # A lease that ran out removes its encoder from the view: stop waiting on it. One
-        # that drained said so first and finishes what it holds: its calls run on.
+        # A lease that ran out removes its encoder from the view: stop waiting on a part of
+        # it whose bytes are not in, even if its /send returned (the message may have died
+        # queued in the encoder's process). One that drained said so first and finishes
+        # what it holds: its calls run on.
         view = fleet.view
         while True:
             for part in plan.parts:
                 if (
-                    part.part_idx not in delivered
+                    not pending.arrived(part.part_idx)
                     and part.url not in view
                     and part.url not in view.drained
                 ):

@@ -86,6 +86,11 @@ class PendingEmbeddings:
         n = self.plan.num_parts
         return len(self._metadata) == n and len(self._tensors) == n
 
+    def arrived(self, part_idx: int) -> bool:
+        """Whether the bytes of ``part_idx`` are in: pushed to this receiver, or written by
+        a Mooncake ``/send`` that returned. Not a checkpoint."""
+        return part_idx in self._tensors
+
     def _wake(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
