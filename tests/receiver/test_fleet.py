@@ -12,7 +12,7 @@ from encdisagg.receiver import (
     fetch_embeddings,
     fetch_from_fleet,
 )
-from encdisagg.registry import EncoderLoad, EtcdClient
+from encdisagg.registry import EncoderLoad, EtcdClient, Registration
 from tests.registry._etcd_server import EtcdServer, needs_etcd
 
 from ._encoder_app import Faults
@@ -30,6 +30,28 @@ def receiver() -> EmbeddingReceiver:
 
 def calls(faults: Faults, route: str) -> list[str | None]:
     return [req_id for path, req_id in faults.calls if path == route]
+
+
+async def light() -> EncoderLoad:
+    return EncoderLoad(0, 0)
+
+
+async def heavier() -> EncoderLoad:
+    return EncoderLoad(queue_depth=4, staged_bytes=0)
+
+
+async def fetch_x(client: EncoderClient, rx: EmbeddingReceiver, done: anyio.Event) -> None:
+    """Request ``r`` of one image ``x`` over the fleet, check it byte-exact, set ``done``."""
+    async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
+        assert torch.equal(got.parts[0].tensor, expected(["x"]))
+    done.set()
+
+
+async def revoke_lease(registration: Registration) -> None:
+    """End ``registration``'s lease, as etcd does when the TTL passes without a renewal."""
+    assert registration._lease is not None
+    async with EtcdClient(registration.registry) as etcd_client:
+        await etcd_client.revoke(registration._lease)
 
 
 async def test_the_client_follows_encoders_joining_and_leaving(etcd: EtcdServer) -> None:
@@ -115,12 +137,6 @@ async def test_a_503_is_failed_over_under_a_fresh_part_id(etcd: EtcdServer) -> N
     registry = etcd.registry()
     refusing = Faults(fail={"/encode": 503})
 
-    async def light() -> EncoderLoad:
-        return EncoderLoad(0, 0)
-
-    async def heavier() -> EncoderLoad:
-        return EncoderLoad(queue_depth=4, staged_bytes=0)
-
     async with (
         fleet_encoder(registry, faults=refusing, load=light) as (url_a, _, _, _),
         fleet_encoder(registry, load=heavier) as (_, faults_b, _, _),
@@ -145,12 +161,6 @@ async def test_a_503_is_failed_over_under_a_fresh_part_id(etcd: EtcdServer) -> N
 async def test_an_encoder_whose_lease_ends_mid_encode_is_failed_over(etcd: EtcdServer) -> None:
     registry = etcd.registry()
 
-    async def light() -> EncoderLoad:
-        return EncoderLoad(0, 0)
-
-    async def heavier() -> EncoderLoad:
-        return EncoderLoad(queue_depth=4, staged_bytes=0)
-
     # retry_s: once its lease is gone, the stalled encoder does not come back in this test.
     async with (
         fleet_encoder(registry, hold="refuse", load=light, retry_s=60.0) as (url_a, _, reg_a, gate),
@@ -165,21 +175,12 @@ async def test_an_encoder_whose_lease_ends_mid_encode_is_failed_over(etcd: EtcdS
         with anyio.fail_after(WAIT_S):
             await fleet.wait_for(2)
         done = anyio.Event()
-
-        async def fetch() -> None:
-            async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
-                assert torch.equal(got.parts[0].tensor, expected(["x"]))
-            done.set()
-
-        group.start_soon(fetch)
+        group.start_soon(fetch_x, client, rx, done)
         with anyio.fail_after(WAIT_S):
             while gate.held == 0:
                 await anyio.wait_all_tasks_blocked()
-        # The encoder stalls with the part; its lease ends (revoked here, as etcd does when
-        # the TTL passes without a renewal).
-        assert reg_a._lease is not None
-        async with EtcdClient(reg_a.registry) as etcd_client:
-            await etcd_client.revoke(reg_a._lease)
+        # The encoder stalls with the part; its lease ends.
+        await revoke_lease(reg_a)
         with anyio.fail_after(WAIT_S):
             await done.wait()
         assert url_a not in fleet.view
@@ -189,12 +190,6 @@ async def test_an_encoder_whose_lease_ends_mid_encode_is_failed_over(etcd: EtcdS
 
 async def test_a_part_sent_but_lost_with_its_encoder_is_failed_over(etcd: EtcdServer) -> None:
     registry = etcd.registry()
-
-    async def light() -> EncoderLoad:
-        return EncoderLoad(0, 0)
-
-    async def heavier() -> EncoderLoad:
-        return EncoderLoad(queue_depth=4, staged_bytes=0)
 
     # A's /send answers 200 and pushes nothing: the message died queued in a killed process.
     lost = Faults(fail={"/send": 200})
@@ -210,20 +205,11 @@ async def test_a_part_sent_but_lost_with_its_encoder_is_failed_over(etcd: EtcdSe
         with anyio.fail_after(WAIT_S):
             await fleet.wait_for(2)
         done = anyio.Event()
-
-        async def fetch() -> None:
-            async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
-                assert torch.equal(got.parts[0].tensor, expected(["x"]))
-            done.set()
-
-        group.start_soon(fetch)
+        group.start_soon(fetch_x, client, rx, done)
         with anyio.fail_after(WAIT_S):
             while calls(lost, "/send") != ["r#0"]:
                 await anyio.wait_all_tasks_blocked()
-        # Its lease ends (revoked here, as etcd does when the TTL passes without a renewal).
-        assert reg_a._lease is not None
-        async with EtcdClient(reg_a.registry) as etcd_client:
-            await etcd_client.revoke(reg_a._lease)
+        await revoke_lease(reg_a)
         with anyio.fail_after(WAIT_S):
             await done.wait()
         assert url_a not in fleet.view
@@ -235,12 +221,6 @@ async def test_a_draining_encoder_takes_no_new_parts_and_finishes_its_own(
     etcd: EtcdServer,
 ) -> None:
     registry = etcd.registry()
-
-    async def light() -> EncoderLoad:
-        return EncoderLoad(0, 0)
-
-    async def heavier() -> EncoderLoad:
-        return EncoderLoad(queue_depth=4, staged_bytes=0)
 
     async with (
         fleet_encoder(registry, hold="serve", load=light) as (url_a, faults_a, reg_a, gate),
@@ -255,13 +235,7 @@ async def test_a_draining_encoder_takes_no_new_parts_and_finishes_its_own(
         with anyio.fail_after(WAIT_S):
             await fleet.wait_for(2)
         done = anyio.Event()
-
-        async def fetch() -> None:
-            async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
-                assert torch.equal(got.parts[0].tensor, expected(["x"]))
-            done.set()
-
-        group.start_soon(fetch)
+        group.start_soon(fetch_x, client, rx, done)
         with anyio.fail_after(WAIT_S):
             while gate.held == 0:
                 await anyio.wait_all_tasks_blocked()
