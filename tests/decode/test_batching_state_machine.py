@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import hypothesis.strategies as st
 from hypothesis import settings
@@ -28,17 +28,24 @@ FIRST = 7
 
 @dataclass
 class CheckedBackup:
-    """Backs up a request's KV as its rid and length; checks each reload's pages and order."""
+    """Backs up a request's KV as its page count and length; checks each reload's pages.
 
-    retracted: list[str] = field(default_factory=list)
-    reloaded: list[str] = field(default_factory=list)
+    While ``backups_fail`` or ``reloads_fail`` is set, those calls raise instead.
+    """
+
+    backups_fail: bool = False
+    reloads_fail: bool = False
 
     def backup(self, pages: tuple[int, ...], kv_len: int) -> object:
         assert len(pages) * PAGE_TOKENS >= kv_len
+        if self.backups_fail:
+            raise RuntimeError("backup failed")
         return (len(pages), kv_len)
 
     def restore(self, backup: object, pages: tuple[int, ...]) -> None:
         assert isinstance(backup, tuple)
+        if self.reloads_fail:
+            raise RuntimeError("reload failed")
         count, kv_len = backup
         # The KV it had, and the page its next token lands on.
         assert len(pages) >= count
@@ -129,12 +136,20 @@ class BatchSchedulerMachine(RuleBasedStateMachine):
         self.pages.free(self.hog)
         self.hog = []
 
+    @rule(backups_fail=st.booleans(), reloads_fail=st.booleans())
+    def kv_copies_start_or_stop_failing(self, backups_fail: bool, reloads_fail: bool) -> None:
+        self.backup.backups_fail = backups_fail
+        self.backup.reloads_fail = reloads_fail
+
     def _collect(self) -> None:
         for rr in self.sched.take_ended():
             assert self.live.pop(rr.rid) is rr
             self.ended.append(rr)
             assert rr.req.pages == ()
             assert rr.req.metadata_slot is None
+            if rr.finished is FinishReason.FAILED:
+                # Nothing else fails here: only a KV backup or reload that raised.
+                assert "retraction failed: RuntimeError" in rr.error, rr.error
             if rr.finished in (FinishReason.LENGTH, FinishReason.STOP):
                 expected = [FIRST, *self.fed[rr.rid]] if rr.max_new_tokens else []
                 assert rr.output == expected
@@ -176,6 +191,7 @@ class BatchSchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         # Once the pool is whole again, every request finishes: nothing waits forever.
+        self.backup.backups_fail = self.backup.reloads_fail = False
         if self.hog:
             self.pages.free(self.hog)
             self.hog = []

@@ -112,12 +112,77 @@ def test_resume_retracted_in_one_pass_stops_at_the_first_that_does_not_fit() -> 
     after = RetractedRequest("after", num_pages=1)
     for req in (first, skipped, blocked, after):
         q.retract(req)
-    resumed = q.resume_retracted(rids_to_check=["resume", "blocked", "after"])
+    resumed, failed = q.resume_retracted(rids_to_check=["resume", "blocked", "after"])
     assert resumed == [first]
+    assert failed == []
     assert first.pages == (0, 1)
     assert q.retracted == [skipped, blocked, after]
     assert after.pages == ()
     # With room again, everyone resumes in order.
     q.pages.free(first.pages)
-    assert q.resume_retracted() == [skipped, blocked]
+    assert q.resume_retracted().resumed == [skipped, blocked]
     assert q.retracted == [after]
+
+
+def _broken_reload(pages: tuple[int, ...]) -> None:
+    raise RuntimeError(f"reload into {pages} failed")
+
+
+def test_a_reload_that_raises_fails_that_request_and_the_pass_goes_on() -> None:
+    q = make_queue(pages=4)
+    ok = RetractedRequest("ok", 1)
+    bad = RetractedRequest("bad", 2, reload=_broken_reload)
+    tail = RetractedRequest("tail", 1)
+    for req in (ok, bad, tail):
+        q.retract(req)
+
+    resumed, failed = q.resume_retracted()
+
+    assert resumed == [ok, tail]
+    assert failed == [bad]
+    assert isinstance(bad.reload_error, RuntimeError)
+    assert "failed" in str(bad.reload_error)
+    # Its pages went back at once; it holds none and waits no more.
+    assert (bad.pages, bad.reload, bad.is_retracted) == ((), None, False)
+    assert q.retracted == []
+    assert q.pages.available() == 2
+    assert not set(ok.pages) & set(tail.pages)
+    assert ok.reload_error is None
+    assert tail.reload_error is None
+
+
+def test_a_failed_reload_spends_none_of_the_pool_or_the_budget() -> None:
+    q = make_queue(pages=2)
+    bad = RetractedRequest("bad", 2, reload=_broken_reload)
+    after = RetractedRequest("after", 2)
+    q.retract(bad)
+    q.retract(after)
+
+    result = q.resume_retracted(max_pages=2)
+
+    assert result.failed == [bad]
+    assert result.resumed == [after]
+    assert after.pages == (0, 1)  # the very pages bad's reload was handed
+    assert q.pages.available() == 0
+
+
+def test_an_interrupt_in_a_reload_gives_its_pages_back_and_keeps_the_rest_queued() -> None:
+    q = make_queue(pages=4)
+
+    def interrupted(pages: tuple[int, ...]) -> None:
+        raise KeyboardInterrupt
+
+    ok = RetractedRequest("ok", 1)
+    bad = RetractedRequest("bad", 1, reload=interrupted)
+    tail = RetractedRequest("tail", 1)
+    for req in (ok, bad, tail):
+        q.retract(req)
+
+    with pytest.raises(KeyboardInterrupt):
+        q.resume_retracted()
+
+    assert q.retracted == [bad, tail]
+    assert (bad.pages, bad.reload, bad.is_retracted) == ((), interrupted, True)
+    # What the pass settled before the interrupt is marked in place for the caller to take.
+    assert (ok.pages, ok.is_retracted) == ((0,), False)
+    assert q.pages.available() == 3

@@ -57,6 +57,7 @@ from ._prealloc import (
     DecodePreallocQueue as DecodePreallocQueue,
     PreallocPass as PreallocPass,
     PreallocRequest as PreallocRequest,
+    ResumePass as ResumePass,
     RetractedRequest as RetractedRequest,
 )
 from ._slots import MetadataRow as MetadataRow, MetadataSlotAllocator as MetadataSlotAllocator
@@ -82,6 +83,7 @@ __all__ = (
     "HeldRelease",
     "DecodeTransferQueue",
     "PreallocRequest",
+    "ResumePass",
     "RetractedRequest",
     "PreallocPass",
     "DecodePreallocQueue",

@@ -12,6 +12,9 @@ Metadata slots: a request whose commit found a draft state keeps its slot past t
 batch until the first real decode step consumed the state; a request that ends frees its slot
 at once. :meth:`DecodeBatchScheduler.free_metadata_if_held` frees a slot at most once.
 
+One request's KV backup (at retraction) or reload (at resume) that raises ends that request
+as failed, its pages and slot freed; the step goes on with the others, in order.
+
 Nothing here awaits or reads the wall clock (the clock is injected), so the state is
 consistent at every checkpoint of the async shell around it and tests drive it directly.
 """
@@ -126,7 +129,8 @@ class DecodeBatchScheduler:
     :param pages: the KV page pool running requests grow into.
     :param page_tokens: tokens of KV per page.
     :param max_running: running requests at most (the batch size bound).
-    :param kv_backup: copies KV off the pool at retraction and back at resume.
+    :param kv_backup: copies KV off the pool at retraction and back at resume; a copy that
+        raises an :class:`Exception` fails that request alone (logged with its cause).
     :param eos_token_ids: tokens that end a request.
     :param prepare_prebuilt: called with each prebuilt batch before it is merged (the
         shell's per-request setup); if it raises, the batch's requests fail, their slots and
@@ -278,7 +282,8 @@ class DecodeBatchScheduler:
         Applies pending aborts, resumes retracted requests, merges a prebuilt batch, and
         gives each running request the page its next token needs, retracting the newest
         running requests while the pool cannot. A prebuilt batch that fails to prepare is
-        logged (its requests are ended as failed) and the step goes on without it.
+        logged (its requests are ended as failed) and the step goes on without it; so does a
+        request whose KV backup or reload raises. Not a checkpoint (nothing here awaits).
         """
         if self._aborts:
             self._apply_aborts()
@@ -368,8 +373,22 @@ class DecodeBatchScheduler:
                 rr.req.pages = (*rr.req.pages, *pages)
 
     def _retract(self, rr: RunningRequest) -> None:
-        """Back ``rr``'s KV up off the pool, free its pages, and queue it to resume."""
-        backup = self.kv_backup.backup(rr.req.pages, rr.kv_len)
+        """Back ``rr``'s KV up off the pool, free its pages, and queue it to resume.
+
+        ``rr`` is already out of the running batch or the waiting queue. If the backup raises,
+        ``rr`` ends as failed instead (its pages and slot freed, so the step can use them);
+        an exception that is not an :class:`Exception` then propagates.
+        """
+        try:
+            backup = self.kv_backup.backup(rr.req.pages, rr.kv_len)
+        except BaseException as exc:
+            # Without a copy its KV cannot leave the pool, so it cannot wait to resume; ending
+            # it still frees the pages this step retracts it for.
+            self._end(rr, FinishReason.FAILED, f"backing up its KV for retraction failed: {exc!r}")
+            if not isinstance(exc, Exception):
+                raise
+            _log.exception("backing up decode request %r for retraction failed", rr.rid)
+            return
         pages, rr.req.pages = rr.req.pages, ()
         self.pages.free(pages)
         rr.retractions += 1
@@ -389,7 +408,12 @@ class DecodeBatchScheduler:
         Bounded by the running slots left and by the pages the running batch's next step
         leaves; the first that does not fit stops the pass (no overtaking). Requests that
         never ran go back to the front of the waiting queue, the others rejoin the running
-        batch.
+        batch. A request whose reload raises an :class:`Exception` ends as failed (logged,
+        its slot freed; its pages were given back) and the pass goes on past it. If a reload
+        raises anything else, the requests settled before it are still taken in, and the
+        exception propagates. Not a checkpoint.
+
+        :return: the resumed requests (the failed ones are in :meth:`take_ended`).
         """
         queue = self.prealloc.retracted
         room = self.max_running - len(self.running)
@@ -398,12 +422,31 @@ class DecodeBatchScheduler:
         budget = self.pages.available() - self._running_need()
         if budget <= 0:
             return []
-        rids = [r.rid for r in queue[:room]]
-        resumed = self.prealloc.resume_retracted(rids, max_pages=budget)
+        offered = queue[:room]
+        try:
+            self.prealloc.resume_retracted([r.rid for r in offered], max_pages=budget)
+        finally:
+            # The pass marks each request as it takes it out of the queue: reading the marks
+            # rather than the returned lists takes in even what it settled before an
+            # exception (a KeyboardInterrupt in a reload) cut it short.
+            resumed = self._take_in([r for r in offered if not r.is_retracted])
+        return resumed
+
+    def _take_in(self, settled: list[RetractedRequest]) -> list[RunningRequest]:
+        """Settle the requests a prealloc pass took out of its retracted queue, in order."""
         back: list[RunningRequest] = []
         never_ran: list[RunningRequest] = []
-        for entry in resumed:
+        for entry in settled:
             rr = self._retracted.pop(entry.rid)
+            if entry.reload_error is not None:
+                _log.error(
+                    "reloading the KV of retracted decode request %r failed",
+                    rr.rid,
+                    exc_info=entry.reload_error,
+                )
+                error = f"reloading its KV after retraction failed: {entry.reload_error!r}"
+                self._end(rr, FinishReason.FAILED, error)
+                continue
             rr.req.pages = entry.pages
             self.resumptions += 1
             (never_ran if rr.entered_at is None else back).append(rr)

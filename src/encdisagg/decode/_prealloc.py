@@ -19,6 +19,7 @@ __all__ = [
     "DecodePreallocQueue",
     "PreallocPass",
     "PreallocRequest",
+    "ResumePass",
     "RetractedRequest",
 ]
 
@@ -42,13 +43,15 @@ class RetractedRequest:
     rid: str
     #: KV pages it needs to resume.
     num_pages: int
-    #: The pages it resumed with (empty while retracted).
+    #: The pages it resumed with (empty while retracted, and after a failed reload).
     pages: tuple[int, ...] = ()
     #: Writes the KV backed up at retraction into the pages it resumes with; called once, by
     #: :meth:`DecodePreallocQueue.resume_retracted`, right after the pages were taken.
     reload: Callable[[tuple[int, ...]], None] | None = None
     #: True while it waits to resume.
     is_retracted: bool = True
+    #: What its ``reload`` raised, if it did: it then cannot resume.
+    reload_error: Exception | None = None
 
 
 class PreallocPass(NamedTuple):
@@ -58,6 +61,16 @@ class PreallocPass(NamedTuple):
     preallocated: list[DecodeRequest]
     #: Requests removed because their transfer failed before they got any pages.
     failed: list[PreallocRequest]
+
+
+class ResumePass(NamedTuple):
+    """What one :meth:`DecodePreallocQueue.resume_retracted` pass did."""
+
+    #: Requests that now hold ``pages`` with their KV reloaded, in queue order.
+    resumed: list[RetractedRequest]
+    #: Requests whose ``reload`` raised (``reload_error``), in queue order; they hold no
+    #: pages and are out of the queue: the caller ends them.
+    failed: list[RetractedRequest]
 
 
 class DecodePreallocQueue:
@@ -157,22 +170,34 @@ class DecodePreallocQueue:
 
     def resume_retracted(
         self, rids_to_check: Collection[str] | None = None, *, max_pages: int | None = None
-    ) -> list[RetractedRequest]:
+    ) -> ResumePass:
         """Give pages back to retracted requests in order, and reload their KV, in one pass.
 
         Only requests whose ``rid`` is in ``rids_to_check`` are examined (all when ``None``).
         The first examined request that does not fit (the pool, or ``max_pages`` in all) stops
-        the pass, so no later one overtakes it; the rest stay, in order. Each resumed request
-        gets its ``pages``, then its ``reload`` writes the backed-up KV into them. A
-        ``reload`` that raises gives the pages back and leaves that request (and every one
-        after it) queued; the error propagates.
+        the pass, so no later one overtakes it; the rest stay, in order. Each request that
+        fits gets pages, then its ``reload`` writes the backed-up KV into them:
 
-        :return: the resumed requests, each with its new ``pages``.
+        - it returns: the request is *resumed*, with ``pages`` set and ``is_retracted``
+          false;
+        - it raises an :class:`Exception`: the request has *failed*: its pages go back at
+          once (they spend none of ``max_pages``), ``reload_error`` holds the exception,
+          ``is_retracted`` is false, and the pass goes on with the next request;
+        - it raises anything else (``KeyboardInterrupt``, ``SystemExit``): its pages go
+          back, it and every request after it stay queued, and the exception propagates.
+
+        Each request is marked (``is_retracted`` false) as the pass takes it out of
+        ``retracted``, so after a propagating exception a caller can still tell, from the
+        requests it offered, which ones the pass resumed or failed before it. Not a
+        checkpoint (nothing here awaits).
+
+        :return: the resumed and the failed requests, each in queue order.
         """
         checked = _as_set(rids_to_check)
         queue = self.retracted
         survivors: list[RetractedRequest] = []
         resumed: list[RetractedRequest] = []
+        failed: list[RetractedRequest] = []
         budget = max_pages
         stopped = False
         done = 0
@@ -192,6 +217,15 @@ class DecodePreallocQueue:
                 try:
                     if req.reload is not None:
                         req.reload(tuple(pages))
+                except Exception as exc:
+                    # Its backed-up KV is lost, so it can never resume: it no longer holds a
+                    # place in line, and later requests may take the pages it was handed.
+                    self.pages.free(pages)
+                    req.reload = None
+                    req.reload_error = exc
+                    req.is_retracted = False
+                    failed.append(req)
+                    continue
                 except BaseException:
                     self.pages.free(pages)
                     done -= 1
@@ -205,4 +239,4 @@ class DecodePreallocQueue:
         finally:
             survivors.extend(queue[done:])
             self.retracted = survivors
-        return resumed
+        return ResumePass(resumed, failed)
