@@ -19,6 +19,8 @@ from encdisagg import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from encdisagg.encoder._batcher import Batcher, ForwardJob
+from encdisagg.encoder._deadlines import DeadlineKeeper
 from encdisagg.encoder._queued import QueuedInputs, feature_bytes
 from encdisagg.models import Preprocessed
 
@@ -220,3 +222,50 @@ async def test_too_many_items_is_a_400_for_any_model(make_encoder: Callable[...,
         ):
             await encoder.encode(EncodeRequest("x", [1, 1, 1]))
         assert encoder.stats().live_requests == 0
+
+
+@pytest.mark.anyio
+async def test_closing_gives_back_the_bytes_of_jobs_still_queued(
+    make_encoder: Callable[..., Encoder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = HeavyModel(MIB)
+    gate, started = model.block_forward()
+    all_submitted = anyio.Event()
+    submits = 0
+    submit = Batcher.submit
+
+    async def counted_submit(self: Batcher, job: ForwardJob) -> None:
+        nonlocal submits
+        await submit(self, job)
+        submits += 1
+        if submits == 3:
+            all_submitted.set()
+
+    run_deadlines = DeadlineKeeper.run
+
+    async def run_deadlines_then_open_the_gate(self: DeadlineKeeper) -> None:
+        # Cancelled with the batcher when the encoder closes: only then may the forward end,
+        # or the batcher would still run the queued jobs instead of failing them.
+        try:
+            await run_deadlines(self)
+        finally:
+            gate.set()
+
+    monkeypatch.setattr(Batcher, "submit", counted_submit)
+    monkeypatch.setattr(DeadlineKeeper, "run", run_deadlines_then_open_the_gate)
+    async with make_encoder(model=model, max_batch_size=1) as encoder:
+        assert encoder._lifecycle is not None
+        queued = encoder._lifecycle._compute.queued
+        try:
+            async with anyio.create_task_group() as group:
+                for req_id in ("a", "b", "c"):
+                    group.start_soon(encoder.encode, EncodeRequest(req_id, [4]))
+                await started.wait()
+                await all_submitted.wait()  # one job in the forward, two queued behind it
+                group.cancel_scope.cancel()
+            # The encodes were cancelled; the batcher still holds their inputs.
+            assert queued.held_bytes == 3 * MIB
+        except BaseException:
+            gate.set()  # the forward's thread is waited for: never leave it blocked
+            raise
+    assert queued.held_bytes == 0

@@ -115,29 +115,37 @@ class Batcher:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Serve jobs until cancelled; jobs left in the queue then fail with 503."""
+        """Serve jobs until cancelled; a checkpoint. Jobs left in the queue then fail with
+        503 (their ``on_finish`` runs), and later submits are refused."""
         task_status.started()
         try:
-            async with self._receive:
-                async for first in self._receive:
-                    batch = [first]
-                    while len(batch) < self._max_batch_size:
-                        try:
-                            batch.append(self._receive.receive_nowait())
-                        except anyio.WouldBlock:
-                            break
-                    await self._run_batch(batch)
+            async for first in self._receive:
+                batch = [first]
+                while len(batch) < self._max_batch_size:
+                    try:
+                        batch.append(self._receive.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                await self._run_batch(batch)
         finally:
             self._fail_queued()
 
     def _fail_queued(self) -> None:
+        # Closing the sending side first refuses new submits; the receiving side is closed
+        # only once drained, since a closed one gives nothing back.
         self._send.close()
-        while True:
-            try:
-                job = self._receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                return
-            job.finish(None, ServiceUnavailableError("the encoder is shutting down"))
+        try:
+            while True:
+                try:
+                    job = self._receive.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    return
+                job.finish(
+                    None,
+                    ServiceUnavailableError("the encoder is shutting down", req_id=job.req_id),
+                )
+        finally:
+            self._receive.close()
 
     async def _run_batch(self, batch: Sequence[ForwardJob]) -> None:
         try:
