@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import anyio
 import pytest
 import torch
 
+from encdisagg import Encoder, EncoderConfig
+from encdisagg.models import NullVisionModel
+from encdisagg.pipeline import serve_asgi
 from encdisagg.receiver import (
     EmbeddingReceiver,
     EncoderClient,
@@ -15,8 +21,8 @@ from encdisagg.receiver import (
 from encdisagg.registry import EncoderLoad, EtcdClient, Registration
 from tests.registry._etcd_server import EtcdServer, needs_etcd
 
-from ._encoder_app import Faults
-from ._fleet_support import MODEL, etcd, expected, fleet_encoder
+from ._encoder_app import Faults, FaultyApp
+from ._fleet_support import MODEL, Hold, etcd, expected, fleet_encoder
 
 pytestmark = [pytest.mark.anyio, needs_etcd]
 __all__ = ["etcd"]
@@ -152,7 +158,7 @@ async def test_a_503_is_failed_over_under_a_fresh_part_id(etcd: EtcdServer) -> N
         assert calls(refusing, "/encode") == ["r#0"]
         # The abandoned part was released on the encoder that refused it.
         assert calls(refusing, "/release") == ["r#0"]
-        assert calls(faults_b, "/encode") == ["r~1#0"]
+        assert calls(faults_b, "/encode") == ["r#~1#0"]
         assert fleet.is_suspect(url_a)
         stats = rx.stats()
         assert (stats.parts_received, stats.stale_parts_dropped) == (1, 0)
@@ -184,7 +190,7 @@ async def test_an_encoder_whose_lease_ends_mid_encode_is_failed_over(etcd: EtcdS
         with anyio.fail_after(WAIT_S):
             await done.wait()
         assert url_a not in fleet.view
-        assert calls(faults_b, "/encode") == ["r~1#0"]
+        assert calls(faults_b, "/encode") == ["r#~1#0"]
         assert rx.stats().parts_received == 1
 
 
@@ -213,7 +219,7 @@ async def test_a_part_sent_but_lost_with_its_encoder_is_failed_over(etcd: EtcdSe
         with anyio.fail_after(WAIT_S):
             await done.wait()
         assert url_a not in fleet.view
-        assert calls(faults_b, "/encode") == ["r~1#0"]
+        assert calls(faults_b, "/encode") == ["r#~1#0"]
         assert rx.stats().parts_received == 1
 
 
@@ -252,3 +258,59 @@ async def test_a_draining_encoder_takes_no_new_parts_and_finishes_its_own(
         # Finished where it was, not failed over.
         assert calls(faults_a, "/send") == ["r#0"]
         assert calls(faults_b, "/encode") == []
+
+
+@asynccontextmanager
+async def held_encoder() -> AsyncIterator[tuple[str, Hold]]:
+    """An encoder server outside the registry whose ``/encode`` waits for its gate."""
+    config = EncoderConfig(request_timeout_s=30.0, send_timeout_s=30.0)
+    async with Encoder(config, model=NullVisionModel()) as encoder:
+        gate = Hold(FaultyApp(encoder, Faults()), refuse=False)
+        try:
+            async with serve_asgi(gate) as url:
+                yield url, gate
+        finally:
+            gate.open()
+
+
+async def test_a_failover_never_takes_the_id_of_a_callers_own_request(etcd: EtcdServer) -> None:
+    registry = etcd.registry()
+    refusing = Faults(fail={"/encode": 503})
+
+    async with (
+        fleet_encoder(registry, faults=refusing, load=light) as (_, _, _, _),
+        fleet_encoder(registry, load=heavier) as (_, faults_b, _, _),
+        held_encoder() as (url_c, gate),
+        EncoderClient(registry=registry) as client,
+        EncoderClient([url_c]) as client_c,
+        receiver() as rx,
+        anyio.create_task_group() as group,
+    ):
+        fleet = client.fleet
+        assert fleet is not None
+        with anyio.fail_after(WAIT_S):
+            await fleet.wait_for(2)
+        # The caller's own request "r~1" (the id a failover of "r" once took) is expected,
+        # its part held on an encoder of its own, while "r" fails over.
+        own_done = anyio.Event()
+
+        async def fetch_own() -> None:
+            async with fetch_embeddings(client_c, rx, "r~1", {"image": ["y"]}) as got:
+                assert got.rid == "r~1"
+                assert torch.equal(got.parts[0].tensor, expected(["y"]))
+            own_done.set()
+
+        group.start_soon(fetch_own)
+        with anyio.fail_after(WAIT_S):
+            while gate.held == 0:
+                await anyio.wait_all_tasks_blocked()
+        async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
+            assert got.rid == "r"
+            assert torch.equal(got.parts[0].tensor, expected(["x"]))
+        assert calls(refusing, "/encode") == ["r#0"]
+        assert calls(faults_b, "/encode") == ["r#~1#0"]
+        gate.open()
+        with anyio.fail_after(WAIT_S):
+            await own_done.wait()
+        stats = rx.stats()
+        assert (stats.parts_received, stats.stale_parts_dropped) == (2, 0)

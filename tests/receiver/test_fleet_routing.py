@@ -122,6 +122,19 @@ async def test_a_failed_encoder_is_left_out_until_it_reports_again() -> None:
     assert fleet.plan("r", {"image": ["a"]}).parts[0].url == "http://127.0.0.1:1"
 
 
+async def test_a_failover_attempt_is_named_with_characters_no_caller_may_use() -> None:
+    fleet = EncoderFleet(REGISTRY)
+    publish(fleet, record(1))
+    attempt = fleet._plan_attempt("r", 1, {"image": ["a"]}, ())
+    assert (attempt.rid, [p.req_id for p in attempt.parts]) == ("r#~1", ["r#~1#0"])
+    # The caller's own "r~1" is another request; an attempt's id is not a caller's.
+    assert fleet.plan("r~1", {"image": ["a"]}).rid == "r~1"
+    with pytest.raises(BadRequestError, match="rid"):
+        fleet.plan("r#~1", {"image": ["a"]})
+    with pytest.raises(BadRequestError, match="rid"):
+        fleet._plan_attempt("r#~1", 1, {"image": ["a"]}, ())
+
+
 @pytest.mark.virtual_time
 async def test_a_suspicion_ends_after_suspect_s() -> None:
     fleet = EncoderFleet(REGISTRY, suspect_s=5.0)

@@ -33,7 +33,7 @@ import httpx
 from .._errors import BadRequestError, ServiceUnavailableError
 from .._modality import Modality
 from ..registry import EncoderRecord, RegistryUrl, RegistryView, RegistryWatcher
-from ._plan import PART_SEPARATOR, PartPlan, RequestPlan, _normalise
+from ._plan import PartPlan, RequestPlan, _normalise, attempt_rid, check_rid
 
 __all__ = ["EncoderFleet"]
 
@@ -211,18 +211,26 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         :raises BadRequestError: naming the field (empty id, no items, unknown modality).
         :raises ServiceUnavailableError: no live encoder serves one of the modalities.
         """
-        if not isinstance(rid, str) or not rid:
-            raise BadRequestError("rid must be a non-empty string")
-        if PART_SEPARATOR in rid:
-            raise BadRequestError(
-                f"rid must not contain {PART_SEPARATOR!r}; got {rid!r}", req_id=rid
-            )
+        return self._plan_attempt(rid, 0, items, exclude)
+
+    def _plan_attempt(
+        self,
+        rid: str,
+        attempt: int,
+        items: Mapping[Modality | str, Sequence[object]],
+        exclude: Collection[str],
+    ) -> RequestPlan:
+        """:meth:`plan`, under the id of attempt ``attempt`` of the caller's ``rid``
+        (:func:`~encdisagg.receiver._plan.attempt_rid`). Only the library retries, so only
+        it names an attempt: ``rid`` is checked as a caller's id either way."""
+        check_rid(rid)
+        plan_rid = attempt_rid(rid, attempt)
         grouped = _normalise(items)
         if not grouped:
             raise BadRequestError(f"request {rid!r} has no media items", req_id=rid)
         runs: list[tuple[Modality, EncoderRecord, tuple[object, ...], int]] = []
         for modality, values in grouped:
-            ranked = self.ranked(rid, modality, exclude)
+            ranked = self.ranked(plan_rid, modality, exclude)
             if not ranked:
                 raise ServiceUnavailableError(
                     f"request {rid!r}: no live encoder"
@@ -241,10 +249,10 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         for _, record, _, _ in runs:
             self._note_sent(record)
         return RequestPlan(
-            rid=rid,
+            rid=plan_rid,
             parts=tuple(
                 PartPlan(
-                    rid=rid,
+                    rid=plan_rid,
                     part_idx=index,
                     num_parts=len(runs),
                     modality=modality,

@@ -8,7 +8,9 @@ message is still queued in the encoder's process, and a killed process takes it 
 the attempt is cut short: every part dispatched is released
 (shielded, bounded; parts on an encoder that is gone are left to their deadline there),
 the encoder is left out, and the request is planned again over the others under fresh part
-ids (``rid~1#0``, ``rid~1#1``...), within the request's one deadline. A late delivery of
+ids (``rid#~1#0``, ``rid#~1#1``...), within the request's one deadline. Attempt ids use the
+part separator ``#``, which no caller's id may contain, so no attempt ever takes the id of
+a request of the caller's own (``rid~1`` is a valid one). A late delivery of
 the abandoned attempt names an id nobody expects any more and is dropped by the receiver
 (its landing pages, for Mooncake, stay quarantined until its write is confirmed stopped), so
 nothing arrives twice. The caller gets the embeddings under its own ``rid``.
@@ -38,8 +40,6 @@ __all__ = ["fetch_from_fleet"]
 
 _log = logging.getLogger("encdisagg.receiver")
 
-#: Separates the caller's request id from the attempt number in a failed-over request.
-ATTEMPT_SEPARATOR: Final = "~"
 #: Answers that mean "this encoder cannot do it now; another may": worth a failover.
 _FAILOVER_STATUSES: Final = frozenset({503, UNREACHABLE})
 
@@ -60,10 +60,6 @@ def _gone_url(error: BaseException) -> str | None:
     if isinstance(error, EncoderCallError) and error.status == UNREACHABLE:
         return error.url
     return None
-
-
-def _attempt_rid(rid: str, attempt: int) -> str:
-    return rid if attempt == 0 else f"{rid}{ATTEMPT_SEPARATOR}{attempt}"
 
 
 def _failed_over_url(error: BaseException) -> str | None:
@@ -112,7 +108,7 @@ async def fetch_from_fleet(
     try:
         with anyio.fail_after(timeout_s):
             for attempt in range(max_attempts):
-                plan = fleet.plan(_attempt_rid(rid, attempt), items, exclude=excluded)
+                plan = fleet._plan_attempt(rid, attempt, items, excluded)
                 attempt_stack = AsyncExitStack()
                 pending = await attempt_stack.enter_async_context(receiver.expect(plan))
                 try:

@@ -13,8 +13,35 @@ from .._modality import Modality
 
 __all__ = ["PartPlan", "RequestPlan", "assign_parts", "part_req_id"]
 
-#: Separates a request id from its part number in a part's id.
+#: Separates a request id from its part number in a part's id. Callers' request ids may not
+#: contain it: the library alone uses it, also to name a failed-over request's attempts.
 PART_SEPARATOR = "#"
+#: Follows ``PART_SEPARATOR`` in an attempt's id, before the attempt number.
+ATTEMPT_MARK = "~"
+
+
+def check_rid(rid: object) -> str:
+    """``rid`` if it may name a caller's request: a non-empty string without ``#``.
+
+    :raises BadRequestError: naming the field.
+    """
+    if not isinstance(rid, str) or not rid:
+        raise BadRequestError("rid must be a non-empty string")
+    if PART_SEPARATOR in rid:
+        raise BadRequestError(f"rid must not contain {PART_SEPARATOR!r}; got {rid!r}", req_id=rid)
+    return rid
+
+
+def attempt_rid(rid: str, attempt: int) -> str:
+    """The id attempt ``attempt`` of request ``rid`` is planned under: ``rid`` itself first,
+    then ``"{rid}#~{attempt}"`` (its parts ``"{rid}#~{attempt}#0"``...).
+
+    A caller's id has no ``#``, so no attempt id is ever a caller's id, nor another
+    request's attempt id; the receiver routes a part to it by its last ``#`` as any other.
+    """
+    if attempt == 0:
+        return rid
+    return f"{rid}{PART_SEPARATOR}{ATTEMPT_MARK}{attempt}"
 
 
 def part_req_id(rid: str, part_idx: int) -> str:
@@ -97,10 +124,7 @@ def assign_parts(
 
     :raises BadRequestError: naming the field for an empty ``rid``, no encoder URL, or no item.
     """
-    if not isinstance(rid, str) or not rid:
-        raise BadRequestError("rid must be a non-empty string")
-    if PART_SEPARATOR in rid:
-        raise BadRequestError(f"rid must not contain {PART_SEPARATOR!r}; got {rid!r}", req_id=rid)
+    check_rid(rid)
     if not urls:
         raise BadRequestError("urls must name at least one encoder", req_id=rid)
     grouped = _normalise(items)
