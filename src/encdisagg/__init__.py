@@ -23,6 +23,7 @@ from ._errors import (
     RequestTimeoutError as RequestTimeoutError,
     ServiceUnavailableError as ServiceUnavailableError,
     TransferError as TransferError,
+    TransferTimeoutError as TransferTimeoutError,
 )
 from ._modality import Modality as Modality
 from ._version import __version__ as __version__
@@ -70,6 +71,7 @@ __all__ = (
     "RequestNotActiveError",
     "RequestTimeoutError",
     "TransferError",
+    "TransferTimeoutError",
     "ServiceUnavailableError",
     "InternalError",
 )

@@ -18,6 +18,7 @@ __all__ = [
     "RequestTimeoutError",
     "ServiceUnavailableError",
     "TransferError",
+    "TransferTimeoutError",
 ]
 
 
@@ -75,6 +76,24 @@ class TransferError(EncdisaggError):
     """The engine or a peer failed a transfer, registration or deregistration (502)."""
 
     status = 502
+
+
+class TransferTimeoutError(TransferError):
+    """A transfer's outcome is unknown: the engine stopped waiting for it while it may still
+    read or write memory (504).
+
+    Not a failure: the bytes may still land. The memory the transfer touches is held (kept
+    alive, never freed, reused or deregistered) until ``hold`` settles, which the engine does
+    once it saw the transfer end or was itself destroyed (``docs/cancellation.md``, the
+    transfer contract). ``hold`` is the engine's :class:`~encdisagg.transfer.Hold`, or None
+    where the error crossed a process boundary or the engine gives none.
+    """
+
+    status = 504
+
+    def __init__(self, message: str, *, req_id: str | None = None, hold: object = None) -> None:
+        super().__init__(message, req_id=req_id)
+        self.hold = hold
 
 
 class ServiceUnavailableError(EncdisaggError):

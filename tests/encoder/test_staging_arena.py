@@ -3,9 +3,12 @@ request's own registration (deregistered once) for every one that does not."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import pytest
@@ -13,7 +16,7 @@ import torch
 
 from encdisagg import Encoder, EncodeRequest, EncodeResult, Modality, MooncakeDestination
 from encdisagg.models import Preprocessed
-from encdisagg.transfer import LoopbackEngine, LoopbackFabric
+from encdisagg.transfer import Hold, LoopbackEngine, LoopbackFabric
 
 from .fakes import RecordingEngine, ScriptedModel
 
@@ -273,38 +276,71 @@ async def test_no_write_reads_staged_cuda_memory_before_it_is_final(
     assert engine.writes_while_busy == 0
 
 
-async def test_a_pinned_arena_block_is_never_reused() -> None:
-    # ZMQ never let go of a zero-copy payload read from this block: it must not be handed
-    # to another request, and its bytes stay counted.
+def _arena_owner(engine: RecordingEngine) -> tuple[Any, Any]:
     from encdisagg.encoder._budget import StagedBudget
     from encdisagg.encoder._regions import RegionOwner
 
     budget = StagedBudget(None)
-    engine = RecordingEngine()
     owner = RegionOwner(
         engine,
         budget,
         arena_bytes=4 * 4096,
         device=torch.device("cpu"),
-        cleanup_timeout_s=1.0,
+        cleanup_timeout_s=0.5,
         clock=anyio.current_time,
     )
+    return owner, budget
+
+
+async def test_a_held_arena_block_is_not_reused_until_its_hold_settles() -> None:
+    # A transfer that gave up waiting (ZMQ kept the payload, Mooncake timed out) may still
+    # read this block: it must not be handed to another request before the hold settles.
+    engine = RecordingEngine()
+    owner, budget = _arena_owner(engine)
     async with anyio.create_task_group() as tg:
         await tg.start(owner.run)
-        pinned = owner.stage("a", torch.ones(4096, dtype=torch.uint8), copy=False)
+        held = owner.stage("a", torch.ones(4096, dtype=torch.uint8), copy=False)
         kept = owner.stage("b", torch.ones(4096, dtype=torch.uint8), copy=False)
-        pinned.pin()
-        assert owner.free("a", pinned) is None
+        hold = Hold("a test transfer", 4096)
+        owner.hold(held, hold)
+        assert owner.free("a", held) is None
         assert owner.free("b", kept) is None
         assert owner.arena is not None
         assert owner.arena.allocated == 1
         assert budget.staged_bytes == 4096
+        assert owner.held_bytes == 4096
         again = owner.stage("c", torch.ones(4096, dtype=torch.uint8), copy=False)
-        assert again.arena_offset != pinned.arena_offset
+        assert again.arena_offset != held.arena_offset
         owner.free("c", again)
+        hold.settle("the test's transfer ended")
+        with anyio.fail_after(5):
+            while owner.arena.allocated:
+                await anyio.sleep(0.01)
+        assert budget.staged_bytes == 0
+        assert owner.held_bytes == 0
         owner.stop_accepting()
-    # A block still out: the arena stays registered rather than be freed under a reader.
+    assert engine.regions == {}
+
+
+async def test_an_arena_still_held_at_close_stays_registered_and_alive() -> None:
+    engine = RecordingEngine()
+    owner, budget = _arena_owner(engine)
+    async with anyio.create_task_group() as tg:
+        await tg.start(owner.run)
+        held = owner.stage("a", torch.ones(4096, dtype=torch.uint8), copy=False)
+        hold = Hold("a test transfer", 4096)
+        owner.hold(held, hold)
+        owner.free("a", held)
+        assert owner.arena is not None
+        buffer = weakref.ref(owner.arena.buffer)
+        owner.stop_accepting()
+    # Never deregistered nor freed under the transfer: the engine (which cannot say when it
+    # is destroyed) keeps the registration, and the buffer with it, for good.
     assert len(engine.regions) == 1
+    assert budget.staged_bytes == 4096
+    del owner, held
+    gc.collect()
+    assert buffer() is not None
 
 
 async def test_without_an_engine_zmq_pushes_from_an_unregistered_arena(

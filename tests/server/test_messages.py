@@ -262,6 +262,7 @@ def test_metrics_show_the_global_cache_tier() -> None:
         inflight_transfers=0,
         registered_regions=1,
         cache_entries=2,
+        held_bytes=0,
     )
     local = SimpleNamespace(hits=3, misses=4, evictions=0)
     tier = SimpleNamespace(

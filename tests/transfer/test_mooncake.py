@@ -76,7 +76,7 @@ async def test_two_processes_move_a_buffer_over_tcp(
                 assert await process.wait() == 0, stderr_path.read_text()
 
             # The peer is gone: its session is dead.
-            dead = re.escape(f"mooncake transfer_sync_write to {session} failed (rc=")
+            dead = re.escape(f"mooncake write to {session} failed (")
             with pytest.raises(TransferError, match=dead):
                 await run_thread_to_completion(
                     sender.write, session, source.data_ptr(), remote, 4096
@@ -132,8 +132,13 @@ class FakeMooncake:
     def unregister_memory(self, ptr: int) -> int:
         return self._rc("unregister_memory", ptr)
 
-    def transfer_sync_write(self, target: str, local: int, remote: int, nbytes: int) -> int:
-        return self._rc("transfer_sync_write", target, local, remote, nbytes)
+    def transfer_submit_write(self, target: str, local: int, remote: int, nbytes: int) -> int:
+        self.calls.append(("transfer_submit_write", target, local, remote, nbytes))
+        return 0x77
+
+    def transfer_check_status(self, batch: int) -> int:
+        script = self.rc.get("transfer_check_status")
+        return script.pop(0) if script else 1
 
 
 @pytest.fixture
@@ -144,7 +149,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeMooncake:
 
 
 async def test_rc_codes_become_transfer_errors(fake: FakeMooncake) -> None:
-    fake.rc = {"register_memory": [-7], "unregister_memory": [-3], "transfer_sync_write": [-1]}
+    fake.rc = {"register_memory": [-7], "unregister_memory": [-3], "transfer_check_status": [-1]}
     async with MooncakeEngine() as engine:
         assert engine.session_id == "127.0.0.1:15000"
         with pytest.raises(
@@ -153,7 +158,7 @@ async def test_rc_codes_become_transfer_errors(fake: FakeMooncake) -> None:
             engine.register(0x1000, 64)
         assert engine.registered_regions() == 0
         engine.register(0x1000, 64)
-        with pytest.raises(TransferError, match=r"transfer_sync_write to peer:1 failed \(rc=-1\)"):
+        with pytest.raises(TransferError, match=r"mooncake write to peer:1 failed \(rc=-1\)"):
             engine.write("peer:1", 0x1000, 0x9000, 64)
         with pytest.raises(TransferError, match=r"unregister_memory of 0x1000 failed \(rc=-3\)"):
             engine.deregister(0x1000)

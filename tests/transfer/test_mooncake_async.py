@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from functools import partial
 from typing import Any
 
 import anyio
@@ -15,8 +18,9 @@ import anyio.from_thread
 import pytest
 import torch
 
-from encdisagg import TransferError
-from encdisagg.transfer import MooncakeEngine, _mooncake, _mooncake_waiter
+from encdisagg import TransferError, TransferTimeoutError
+from encdisagg.nurseries import ThreadSafeEvent, run_thread_to_completion
+from encdisagg.transfer import Hold, MooncakeEngine, _mooncake, _mooncake_waiter
 
 pytestmark = [pytest.mark.anyio, pytest.mark.mooncake]
 
@@ -92,10 +96,13 @@ async def test_writes_land_whole_first_through_a_thread_then_from_the_loop(
     sender._connected.discard(session)
     src, dst = source.data_ptr(), target.data_ptr()
 
-    # The first write to a session opens it (a handshake): a synchronous write in a thread.
+    # The first write to a session opens it (a handshake, inside the submit): the submit runs
+    # in a worker thread, and the write is then waited for as any other.
     await sender.write_async(session, src, dst, MIB)
-    assert recording.submitted == []
-    assert sender.write in thread_calls
+    assert len(recording.submitted) == 1
+    assert sender._submit in thread_calls
+    assert recording.answers[recording.submitted[0]][-1] == _mooncake_waiter.DONE
+    recording.submitted.clear()
     thread_calls.clear()
 
     # Then 1 MiB is submitted on the loop, 8 MiB (over the bound set here) from a worker
@@ -188,7 +195,7 @@ async def test_a_failed_write_raises_and_reopens_the_session_next_time(
     await sender.write_async(session, source.data_ptr(), target.data_ptr(), 4096)
     assert session in sender._connected
     # Past the end of the receiver's registered buffer: the receiver refuses it.
-    with pytest.raises(TransferError, match=r"transfer_submit_write to .* failed \(rc=-1\)"):
+    with pytest.raises(TransferError, match=r"write to .* failed \((rc=-1|batch id \d+)\)"):
         await sender.write_async(session, source.data_ptr(), target.data_ptr() + 16 * MIB, 4096)
     assert session not in sender._connected
     with pytest.raises(TransferError, match="not inside a registered region"):
@@ -221,9 +228,6 @@ class ScriptedMooncake:
     def unregister_memory(self, ptr: int) -> int:
         return 0
 
-    def transfer_sync_write(self, target: str, local: int, remote: int, nbytes: int) -> int:
-        return 0
-
     def transfer_submit_write(self, target: str, local: int, remote: int, nbytes: int) -> int:
         return self.batch
 
@@ -239,7 +243,6 @@ class ScriptedMooncake:
 async def _scripted_write(
     monkeypatch: pytest.MonkeyPatch,
     fake: ScriptedMooncake,
-    held: list[bool],
     *,
     poll_on_loop_s: float = _mooncake.POLL_ON_LOOP_S,
 ) -> None:
@@ -248,9 +251,7 @@ async def _scripted_write(
         engine.register(0x1000, 4096)
         engine._connected.add("peer:1")
         try:
-            await engine.write_async(
-                "peer:1", 0x1000, 0x9000, 4096, on_still_held=lambda: held.append(True)
-            )
+            await engine.write_async("peer:1", 0x1000, 0x9000, 4096)
         finally:
             engine.deregister(0x1000)
 
@@ -260,11 +261,10 @@ async def test_a_refused_submit_raises_without_polling(
     monkeypatch: pytest.MonkeyPatch, batch: int
 ) -> None:
     fake = ScriptedMooncake(batch, [_mooncake_waiter.DONE])
-    held: list[bool] = []
-    with pytest.raises(TransferError, match=rf"failed \(batch id {batch}\)"):
-        await _scripted_write(monkeypatch, fake, held)
+    with pytest.raises(TransferError, match=rf"failed \(batch id {batch}\)") as raised:
+        await _scripted_write(monkeypatch, fake)
+    assert type(raised.value) is TransferError
     assert fake.polled == []
-    assert held == []
 
 
 @pytest.mark.parametrize(
@@ -276,12 +276,10 @@ async def test_a_write_polled_until_done(
     # Polled on the loop (every check there), or, with no loop polling, by the completion
     # thread after the one check right after the submit.
     fake = ScriptedMooncake(0x55, [0, 0, 0, _mooncake_waiter.DONE])
-    held: list[bool] = []
     loop_thread = threading.current_thread()
-    await _scripted_write(monkeypatch, fake, held, poll_on_loop_s=poll_on_loop_s)
+    await _scripted_write(monkeypatch, fake, poll_on_loop_s=poll_on_loop_s)
     assert fake.polled == [0x55] * 4
     assert [t is loop_thread for t in fake.pollers] == [True] * on_loop + [False] * (4 - on_loop)
-    assert held == []
 
 
 async def test_a_write_still_running_after_the_loop_polling_moves_to_the_thread(
@@ -290,11 +288,9 @@ async def test_a_write_still_running_after_the_loop_polling_moves_to_the_thread(
     # The second check (the first loop poll) stalls past the loop-polling window: the
     # checks after it are the completion thread's.
     fake = ScriptedMooncake(0x55, [0, 0, 0, _mooncake_waiter.DONE], stall_s={1: 0.4})
-    held: list[bool] = []
     loop_thread = threading.current_thread()
-    await _scripted_write(monkeypatch, fake, held, poll_on_loop_s=0.2)
+    await _scripted_write(monkeypatch, fake, poll_on_loop_s=0.2)
     assert [t is loop_thread for t in fake.pollers] == [True, True, False, False]
-    assert held == []
 
 
 def test_poll_on_loop_s_must_not_be_negative() -> None:
@@ -302,13 +298,76 @@ def test_poll_on_loop_s_must_not_be_negative() -> None:
         MooncakeEngine(poll_on_loop_s=-1.0)
 
 
-async def test_a_mooncake_timeout_keeps_the_memory_out_of_reuse(
+async def test_a_failed_write_is_a_plain_failure_and_holds_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fake = ScriptedMooncake(0x55, [0, _mooncake_waiter.TIMED_OUT])
-    held: list[bool] = []
-    with pytest.raises(TransferError, match=r"timed out \(rc=-2\); Mooncake may still read"):
-        await _scripted_write(monkeypatch, fake, held)
-    assert held == [True]
-    # A timed-out batch is not freed by Mooncake: never polled again once it said so.
-    assert fake.polled == [0x55, 0x55]
+    fake = ScriptedMooncake(0x55, [0, _mooncake_waiter.FAILED])
+    with pytest.raises(TransferError, match=r"failed \(rc=-1\)") as raised:
+        await _scripted_write(monkeypatch, fake)
+    assert type(raised.value) is TransferError
+    assert raised.value.status == 502
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["write_async", "write"])
+async def test_a_mooncake_timeout_holds_the_memory_until_mooncake_reports_the_end(
+    monkeypatch: pytest.MonkeyPatch, blocking: bool
+) -> None:
+    # TIMED_OUT is not a failure: the batch is not freed and its slices may still read the
+    # memory. The engine keeps checking it; the hold settles once Mooncake says it ended.
+    fake = ScriptedMooncake(0x55, [0, _mooncake_waiter.TIMED_OUT, 0, _mooncake_waiter.DONE])
+    monkeypatch.setattr(_mooncake, "_create_mooncake", lambda: fake)
+    async with MooncakeEngine() as engine:
+        engine.register(0x1000, 4096)
+        engine._connected.add("peer:1")
+        args = ("peer:1", 0x1000, 0x9000, 4096)
+        write = (
+            partial(run_thread_to_completion, engine.write, *args)
+            if blocking
+            else partial(engine.write_async, *args)
+        )
+        with pytest.raises(TransferTimeoutError, match=r"timed out \(rc=-2\)") as raised:
+            await write()
+        assert raised.value.status == 504
+        hold = raised.value.hold
+        assert isinstance(hold, Hold)
+        assert hold.nbytes == 4096
+        assert engine.unsettled == 1
+        settled = ThreadSafeEvent()
+        hold.on_settled(lambda _: settled.set_from_thread())
+        with anyio.fail_after(10):
+            await settled.wait()
+        assert hold.reason == "Mooncake reported the write done"
+        assert engine.unsettled == 0
+        # Not the session's open state any more: the next write opens it afresh.
+        assert "peer:1" not in engine._connected
+        engine.deregister(0x1000)
+
+
+async def test_a_write_that_never_ends_is_held_until_the_engine_was_destroyed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Mooncake's synchronous write gives up after its bound and answers -1, like a
+    # failure: submitted and checked instead, the outcome stays unknown, and the region it
+    # reads from stays registered (and its memory alive) until the engine is gone.
+    fake = ScriptedMooncake(0x55, [0])
+    monkeypatch.setattr(_mooncake, "_create_mooncake", lambda: fake)
+    monkeypatch.setattr(_mooncake, "_mooncake_transfer_timeout_s", lambda: 0.05)
+    unregistered: list[int] = []
+    monkeypatch.setattr(fake, "unregister_memory", lambda ptr: unregistered.append(ptr) or 0)
+    async with MooncakeEngine() as engine:
+        engine.register(0x1000, 4096)
+        engine.register(0x4000, 4096)
+        with pytest.raises(TransferTimeoutError, match="did not end in time") as raised:
+            await run_thread_to_completion(engine.write, "peer:1", 0x1000, 0x9000, 4096)
+        hold = raised.value.hold
+        assert isinstance(hold, Hold)
+        assert not hold.settled
+        memory = torch.zeros(16)
+        engine.keep_until_closed(memory)
+        kept = weakref.ref(memory)
+        del memory
+    assert hold.reason == "the Mooncake engine was destroyed"
+    # The held region was not deregistered under the write; the other one was.
+    assert unregistered == [0x4000]
+    gc.collect()
+    assert kept() is None

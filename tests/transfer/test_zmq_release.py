@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from encdisagg import TransferError
+from encdisagg.transfer import Hold
 from encdisagg.transfer._zmq_release import wait_released
 
 pytestmark = pytest.mark.anyio
@@ -36,7 +37,7 @@ def _wait(
     *,
     drop_bound_s: float = 10.0,
     thread_bound_s: float = 30.0,
-    on_still_held: Callable[[], None] | None = None,
+    on_still_held: Callable[[Hold], None] | None = None,
 ) -> Any:
     return wait_released(
         tracker,
@@ -128,19 +129,21 @@ async def test_cancelling_twice_changes_nothing(released: threading.Event) -> No
 async def test_a_frame_never_released_after_the_drop_is_logged_and_given_up(
     released: threading.Event, caplog: pytest.LogCaptureFixture
 ) -> None:
-    held: list[str] = []
+    held: list[Hold] = []
     with caplog.at_level(logging.ERROR, logger="encdisagg.transfer"):
         with anyio.move_on_after(1) as scope:
             await _wait(
                 zmq.MessageTracker(released),
                 drop_bound_s=5.0,
-                on_still_held=lambda: held.append("held"),
+                on_still_held=held.append,
             )
         assert scope.cancelled_caught
     [record] = caplog.records
     assert "still references the payload 5.0 s after" in record.getMessage()
-    # The caller hears of it, to keep that memory out of reuse.
-    assert held == ["held"]
+    # The caller gets a hold on the payload, to keep that memory out of reuse; a tracker
+    # that can never say it was released keeps it held for good.
+    [hold] = held
+    assert not hold.settled
 
 
 async def test_a_thread_bound_that_runs_out_drops_and_fails(released: threading.Event) -> None:
@@ -150,6 +153,6 @@ async def test_a_thread_bound_that_runs_out_drops_and_fails(released: threading.
             zmq.MessageTracker(released),
             lambda: dropped.append("dropped"),
             thread_bound_s=0.01,
-            on_still_held=lambda: dropped.append("held"),
+            on_still_held=lambda hold: dropped.append("held"),
         )
     assert dropped == ["dropped", "held"]

@@ -28,11 +28,11 @@ from ..cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin, relabel
 from ..models import Preprocessed, VisionModel
 from ..models._media_limits import MediaLimits
 from ..nurseries import run_thread_to_completion
+from ..transfer import calls_block
 from ._batcher import Batcher, ForwardJob, check_token_count
 from ._cache import PrefixCache
 from ._events import EncoderEvents
 from ._queued import QueuedHolding, QueuedInputs, feature_bytes
-from ._staged import calls_block
 from ._traced import FORWARD_SPAN, PREPROCESS_SPAN, record_batched
 from ._types import EncodeRequest
 

@@ -5,18 +5,24 @@ every call here. A Mooncake write is one engine call: awaited on the event loop 
 engine has a ``write_async`` (``MooncakeEngine``), inline when the engine says it does not
 block, else one worker-thread call that is never abandoned. A ZMQ push returns only once
 ZMQ no longer references the payload.
+
+A transfer that ends with an unknown outcome (the engine raised
+:class:`~encdisagg.TransferTimeoutError`; ZMQ kept the payload after the push gave up)
+leaves a hold on the staged memory before the error leaves here: the record's free then
+waits for that hold (``_held``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import anyio
 
 from .. import _tracing
-from .._errors import TransferError
+from .._errors import TransferError, TransferTimeoutError
 from ..nurseries import run_thread_to_completion
-from ..transfer import EmbeddingHeader, EmbeddingLayout, ZmqPushPool, payload_view
+from ..transfer import EmbeddingHeader, EmbeddingLayout, Hold, ZmqPushPool, payload_view
 from ._jobs import Job
 from ._regions import RegionOwner
 from ._staged import Staged
@@ -52,7 +58,22 @@ class Delivery:
             await self.push(job, destination.url)
 
     async def write(self, job: Job, destination: MooncakeDestination) -> None:
-        """Write the staged embedding into ``destination``'s registered buffer."""
+        """Write the staged embedding into ``destination``'s registered buffer.
+
+        :raises TransferError: the engine or the peer failed the write.
+        :raises TransferTimeoutError: its outcome is unknown; the memory is held.
+        """
+        record = job.record
+        staged: Staged = record.staged
+        try:
+            await self._write(job, staged, destination)
+        except TransferTimeoutError as exc:
+            # The write may still read the memory: hold it before the job can end.
+            self._regions.hold(staged, _hold_of(exc, record.req_id, staged))
+            exc.req_id = record.req_id
+            raise
+
+    async def _write(self, job: Job, staged: Staged, destination: MooncakeDestination) -> None:
         record = job.record
         regions = self._regions
         engine = regions.engine
@@ -61,7 +82,6 @@ class Delivery:
                 f"req_id {record.req_id!r}: a Mooncake destination needs transfer='mooncake'",
                 req_id=record.req_id,
             )
-        staged: Staged = record.staged
         if not staged.transferable:
             # Per-send registration: one at a time per record, so the same pointer is never
             # registered twice at once. A registration left behind by a failed
@@ -82,15 +102,11 @@ class Delivery:
         write_async = self._write_async
         if write_async is not None:
             # The engine waits for its own write on the event loop (MooncakeEngine), no
-            # worker thread per write; a cancellation takes effect once the write ended,
-            # and a write that may still read the memory keeps it out of reuse.
+            # worker thread per write; a cancellation takes effect once the write ended or
+            # outlived the engine's bound.
             with job.waiting():
                 await write_async(
-                    destination.session_id,
-                    staged.ptr,
-                    destination.buffer_address,
-                    staged.nbytes,
-                    on_still_held=staged.pin,
+                    destination.session_id, staged.ptr, destination.buffer_address, staged.nbytes
                 )
             return
         if not regions.blocking:
@@ -99,7 +115,7 @@ class Delivery:
             )
             return
         # One worker-thread call, never abandoned: a cancellation takes effect once the
-        # engine stopped reading the memory.
+        # engine stopped reading the memory, or gave up waiting for it.
         with job.waiting():
             await regions.call(
                 engine.write,
@@ -117,7 +133,7 @@ class Delivery:
             # The receiver's spans continue the trace of this push (its transfer span).
             header = dataclasses.replace(header, traceparent=_traceparent(record.trace))
         payload = None
-        pin = None
+        on_still_held = None
         if record.phase is not Phase.FAILED:
             staged: Staged = record.staged
             payload = staged.host_bytes()
@@ -127,20 +143,28 @@ class Delivery:
                     # A device-to-host copy waits for the device: never on the event loop.
                     tensor = await run_thread_to_completion(tensor.cpu)
                 payload = payload_view(tensor)
-            pin = staged.pin
+            on_still_held = partial(self._regions.hold, staged)
         if self._zmq.send_nowait(url, header, payload):
             # Copied into ZMQ's queue: nothing of ours is referenced any more.
             return
-        # Returns only once ZMQ no longer references the payload (if it never lets go,
-        # the staged memory is pinned: never reused).
+        # Returns only once ZMQ no longer references the payload (if it does not let go,
+        # the staged memory is held until it does).
         with job.waiting():
-            await self._zmq.send(url, header, payload, on_still_held=pin)
+            await self._zmq.send(url, header, payload, on_still_held=on_still_held)
 
 
 def _traceparent(encode_trace: _tracing.Trace) -> str | None:
     current = _tracing.current()
     value = None if current is None else current.traceparent()
     return value if value is not None else encode_trace.traceparent()
+
+
+def _hold_of(error: TransferTimeoutError, req_id: str, staged: Staged) -> Hold:
+    """The engine's hold on the memory; an engine that gave none can never say the write
+    ended, so the memory is held for good."""
+    if isinstance(error.hold, Hold):
+        return error.hold
+    return Hold(f"req_id {req_id!r}: {staged.nbytes} bytes at {staged.ptr:#x}", staged.nbytes)
 
 
 def _needs_own_registration(staged: Staged) -> bool:

@@ -283,6 +283,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
             registered_regions=0 if regions is None else regions.registered,
             inflight_transfers=0 if lifecycle is None else lifecycle.inflight,
             cache_entries=len(self._cache),
+            held_bytes=0 if regions is None else regions.held_bytes,
         )
 
     @property

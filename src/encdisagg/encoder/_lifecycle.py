@@ -32,6 +32,7 @@ from .._errors import (
     InternalError,
     RequestNotActiveError,
     RequestTimeoutError,
+    TransferTimeoutError,
 )
 from ..models import Preprocessed
 from ..nurseries import KeyedWakeups, ServiceTaskGroup, loop_checkpoint, loop_clock
@@ -427,6 +428,7 @@ class RequestLifecycle:
             handover = self._regions.pending.get(req_id)
             if handover is not None:
                 await self._first_attempt(handover)
+            self._raise_if_held(req_id)
             return
         self.request_release(record)
         if record.phase is Phase.ENCODING:
@@ -435,6 +437,18 @@ class RequestLifecycle:
         while not record.retired:
             await self.wakeups.park(record.req_id)
         await self.settle(record)
+        self._raise_if_held(req_id)
+
+    def _raise_if_held(self, req_id: str) -> None:
+        """:raises TransferTimeoutError: the freed memory of ``req_id`` is still held: a
+        transfer of it ended with an unknown outcome and may still land."""
+        if self._regions.held.is_held(req_id):
+            raise TransferTimeoutError(
+                f"req_id {req_id!r} is released, but a transfer of its embedding ended with "
+                "an unknown outcome: it may still land in its destination, and the embedding's "
+                "memory is held until the engine reports that transfer ended",
+                req_id=req_id,
+            )
 
     async def abandon(self, req_id: str) -> None:
         record = self.table.abandon(req_id)
@@ -465,8 +479,14 @@ class RequestLifecycle:
     # -- shutdown -----------------------------------------------------------------------------
 
     async def drain(self) -> None:
-        """Release every live request; after ``shutdown_grace_s`` cancel what still runs
-        (shielded transfers finish first) and wait, at most ``cleanup_timeout_s`` more."""
+        """Release every live request; after ``shutdown_grace_s`` cancel what still runs,
+        and wait until every job left. Shielded.
+
+        A cancelled job leaves once its transfer stopped touching memory or outlived its
+        engine's bound (then the memory is held), so every wait here ends; the engine, the
+        arena and every registration outlive every job that uses them. Each
+        ``cleanup_timeout_s`` of waiting is logged with what is still running.
+        """
         self._closing = anyio.Event()
         for record in list(self.table.live.values()):
             self.request_release(record)
@@ -476,15 +496,16 @@ class RequestLifecycle:
                     await self._closing.wait()
             for record in list(self.table.live.values()):
                 record.cancel_jobs()
-            if self.table.live:
+            while self.table.live:
                 with anyio.move_on_after(self.config.cleanup_timeout_s):
                     await self._closing.wait()
-        for record in self.table.live.values():
-            _log.error(
-                "req_id %r still had %d job(s) running when the encoder closed",
-                record.req_id,
-                record.jobs,
-            )
+                for record in self.table.live.values():
+                    _log.error(
+                        "closing: req_id %r still has %d job(s) running (a transfer the "
+                        "engine has not given up on yet); waiting for it",
+                        record.req_id,
+                        record.jobs,
+                    )
 
 
 def _fail_layout(rows: torch.Tensor, metadata: EncodeResult) -> None:

@@ -8,22 +8,19 @@ from dataclasses import dataclass, field
 import anyio
 import torch
 
+from ..transfer import Hold, MemoryRegistration, MemoryRegistrationState
 from ._arena import StagingArena
 
-__all__ = ["CallRunning", "Handover", "Staged", "ThreadSafeCounter", "calls_block"]
-
-
-def calls_block(part: object) -> bool:
-    """Whether a model's or engine's calls may block (the default when it does not say)."""
-    return bool(getattr(part, "blocking", True))
+__all__ = ["Handover", "Staged", "ThreadSafeCounter"]
 
 
 @dataclass(eq=False, slots=True)
 class Staged:
-    """A staged embedding: where its bytes are, and how its memory is registered.
+    """A staged embedding: where its bytes are, how its memory is registered, and whether a
+    transfer may still touch it.
 
     It lives either in a block of the staging arena (covered by the arena's registration)
-    or in a tensor of its own (``own``).
+    or in a tensor of its own (``own``), registered on its own (``registration``) or not.
     """
 
     nbytes: int
@@ -34,14 +31,11 @@ class Staged:
     arena: StagingArena | None = None
     #: Offset of its block when it lives in the staging arena.
     arena_offset: int | None = None
-    #: The record holds a registration of its own for this memory.
-    registered: bool = False
-    #: Something outside the Encoder (ZMQ, after a give-up) may still read the memory: an
-    #: arena block is then never reused.
-    pinned: bool = False
-
-    def pin(self) -> None:
-        self.pinned = True
+    #: The record's own registration of this memory, while the record holds one.
+    registration: MemoryRegistration | None = None
+    #: Holds on this memory: transfers that gave up waiting may still touch it. While one
+    #: is unsettled the memory is never freed, reused or deregistered.
+    holds: list[Hold] = field(default_factory=list)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -67,32 +61,56 @@ class Staged:
         return self.arena.host_bytes(self.arena_offset, self.nbytes)
 
     @property
+    def registered(self) -> bool:
+        """Whether the record holds a registration of its own for this memory."""
+        registration = self.registration
+        return registration is not None and registration.state is MemoryRegistrationState.REGISTERED
+
+    @property
     def transferable(self) -> bool:
         """Whether the engine may write from it without registering it first."""
         return self.arena_offset is not None or self.registered
 
+    @property
+    def held(self) -> bool:
+        """Whether a transfer may still touch this memory."""
+        return any(not hold.settled for hold in self.holds)
+
+    def take_hold(self, hold: Hold) -> None:
+        """A transfer that gave up waiting may still touch this memory: keep the memory alive
+        through ``hold`` (the arena buffer, or its own tensor and registration) until the
+        hold settles. Not a checkpoint; thread-safe as far as ``hold`` goes."""
+        self.holds.append(hold)
+        if self.own is not None:
+            hold.keep(self.own)
+        if self.arena is not None:
+            hold.keep(self.arena)
+        if self.registration is not None:
+            self.registration.hold(hold)
+
 
 @dataclass(eq=False, slots=True)
 class Handover:
-    """A registration handed to the owner task for deregistration. ``tensor`` keeps the
-    memory alive until the engine let go of it."""
+    """A request's own registration, handed to the owner task to deregister."""
 
     req_id: str
-    ptr: int
-    nbytes: int
-    tensor: torch.Tensor | None
+    registration: MemoryRegistration
     attempts: int = 0
     next_try: float = 0.0
-    deregistered: bool = False
     #: Set once the first deregistration attempt ended, however it ended.
     attempted: anyio.Event = field(default_factory=anyio.Event)
-    #: Held by the one deregistration call running on this region, if any (a call cut
-    #: short by the sweep's bound may still run in its thread).
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def deregistered(self) -> bool:
+        return self.registration.state is MemoryRegistrationState.DEREGISTERED
 
-class CallRunning(Exception):
-    """A deregistration of this region is still running in another thread."""
+    @property
+    def nbytes(self) -> int:
+        return self.registration.nbytes
+
+    @property
+    def ptr(self) -> int:
+        return self.registration.ptr
 
 
 class ThreadSafeCounter:

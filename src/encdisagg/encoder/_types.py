@@ -145,10 +145,17 @@ Destination = ZmqDestination | MooncakeDestination
 
 @dataclass(frozen=True, slots=True)
 class EncoderStats:
-    """A snapshot of what an Encoder holds. The first three are zero when it is idle."""
+    """A snapshot of what an Encoder holds. ``live_requests``, ``staged_bytes`` and
+    ``inflight_transfers`` are zero when it is idle and nothing is held.
+
+    ``held_bytes``: staged bytes a transfer may still touch (it ended with an unknown
+    outcome); they stay counted in ``staged_bytes`` too until the engine reports the
+    transfer ended.
+    """
 
     live_requests: int
     staged_bytes: int
     registered_regions: int
     inflight_transfers: int
     cache_entries: int
+    held_bytes: int = 0

@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol
 import grpc
 from smg_grpc_proto.generated import sglang_encoder_pb2 as pb
 
-from .._errors import BadRequestError, EncdisaggError
+from .._errors import BadRequestError, EncdisaggError, TransferTimeoutError
 from ._access import ApiKey, ForbiddenError
 
 __all__ = [
@@ -147,12 +147,17 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
 
     SGLang's mapping: a bad request (400) is ``INVALID_ARGUMENT``, everything else
     ``INTERNAL``; an unexpected exception's text is logged, never answered. A destination
-    outside ``allowed_peers`` (403, which SGLang does not have) is ``PERMISSION_DENIED``.
+    outside ``allowed_peers`` (403, which SGLang does not have) is ``PERMISSION_DENIED``; a
+    transfer whose outcome is unknown (504, which SGLang 0.5.20 does not tell apart) is
+    ``DEADLINE_EXCEEDED``.
     """
     if isinstance(exc, BadRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, _public(exc.message)
     if isinstance(exc, ForbiddenError):
         return grpc.StatusCode.PERMISSION_DENIED, _public(exc.message)
+    if isinstance(exc, TransferTimeoutError):
+        # A delivery whose outcome is unknown is not a failed one: the bytes may still land.
+        return grpc.StatusCode.DEADLINE_EXCEEDED, _public(exc.message)
     if isinstance(exc, EncdisaggError):
         return grpc.StatusCode.INTERNAL, _public(exc.message)
     return grpc.StatusCode.INTERNAL, "internal server error"

@@ -38,6 +38,7 @@ from .._errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
     TransferError,
+    TransferTimeoutError,
 )
 
 __all__ = [
@@ -72,6 +73,7 @@ _ERRORS: Final[dict[str, type[EncdisaggError]]] = {
         RequestNotActiveError,
         RequestTimeoutError,
         TransferError,
+        TransferTimeoutError,
         ServiceUnavailableError,
         InternalError,
     )
@@ -85,6 +87,7 @@ _ErrorName = Literal[
     "RequestNotActiveError",
     "RequestTimeoutError",
     "TransferError",
+    "TransferTimeoutError",
     "ServiceUnavailableError",
     "InternalError",
 ]

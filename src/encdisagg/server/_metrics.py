@@ -87,6 +87,10 @@ _PHASES: Final = {
 _GAUGES: Final = {
     "live_requests": "Requests the encoder holds (encoding, staged or being delivered).",
     "staged_bytes": "Bytes of staged embeddings.",
+    "held_bytes": (
+        "Bytes of staged embeddings a transfer may still touch (its outcome is unknown): "
+        "kept out of use until the engine reports it ended."
+    ),
     "inflight_transfers": "Deliveries in progress.",
     "registered_regions": "Memory regions registered with the transfer engine.",
     "cache_entries": "Entries in the prefix (embedding) cache.",

@@ -2,6 +2,11 @@
 
 - :class:`TransferEngine`: the protocol the Encoder moves registered memory with;
   :class:`LoopbackEngine` (in-process) and :class:`MooncakeEngine` implement it.
+- Memory a transfer may still touch (the transfer contract, ``docs/cancellation.md``):
+  :class:`Hold`, settled only by proof that the transfer stopped; :class:`HeldLedger`, an
+  owner's count of them; :class:`HoldPolicy`, what a side does when its bound runs out;
+  :class:`MemoryRegistration`, one buffer registered once and deregistered once, never while held;
+  :func:`leave_with_engine`, memory kept as long as its engine may touch it.
 - The embedding push format (DESIGN §5.2): :class:`EmbeddingHeader`, :func:`encode_header`,
   :func:`decode_header` and the payload helpers; :class:`EmbeddingLayout` names the column
   sections of a joint embedding (Qwen3-VL's deepstack features beside the main one).
@@ -9,12 +14,19 @@
 """
 
 from ._engine import TransferEngine as TransferEngine
+from ._holds import HeldLedger as HeldLedger, Hold as Hold, HoldPolicy as HoldPolicy
+from ._keeper import KeepsMemory as KeepsMemory, leave_with_engine as leave_with_engine
 from ._layout import (
     MAIN_SECTION as MAIN_SECTION,
     EmbeddingLayout as EmbeddingLayout,
     deepstack_layout as deepstack_layout,
 )
 from ._loopback import LoopbackEngine as LoopbackEngine, LoopbackFabric as LoopbackFabric
+from ._memory_registration import (
+    MemoryRegistration as MemoryRegistration,
+    MemoryRegistrationState as MemoryRegistrationState,
+    calls_block as calls_block,
+)
 from ._mooncake import MooncakeEngine as MooncakeEngine
 from ._wire import (
     MAX_HEADER_BYTES as MAX_HEADER_BYTES,
@@ -33,6 +45,14 @@ from ._zmq_pull import ReceivedPart as ReceivedPart, ZmqReceiver as ZmqReceiver
 
 __all__ = (
     "TransferEngine",
+    "Hold",
+    "HeldLedger",
+    "HoldPolicy",
+    "KeepsMemory",
+    "MemoryRegistration",
+    "MemoryRegistrationState",
+    "calls_block",
+    "leave_with_engine",
     "LoopbackEngine",
     "LoopbackFabric",
     "MooncakeEngine",

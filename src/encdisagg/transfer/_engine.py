@@ -22,8 +22,18 @@ class TransferEngine(Protocol):
     - ``register`` either registers the whole range or raises having registered nothing;
       ``deregister`` either drops the registration or raises having kept it (then the same
       ``deregister`` may be called again later);
-    - ``write`` returns (or raises) only once it stopped reading local memory;
+    - ``write`` returns (or raises) only once it stopped reading local memory, with one
+      exception: an engine that gives up waiting for a write it cannot call back raises
+      :class:`~encdisagg.TransferTimeoutError` whose ``hold`` (a
+      :class:`~encdisagg.transfer.Hold`) it settles once the write is known to have ended,
+      or once the engine itself was destroyed. The memory stays held (never freed, reused
+      or deregistered) until then; a ``TransferTimeoutError`` without a hold keeps it for
+      good;
     - calls are thread-safe: the Encoder may make several at once, from several threads.
+
+    An engine may also keep memory for its owners until it was destroyed
+    (``keep_until_closed``, see :class:`~encdisagg.transfer.KeepsMemory`): an owner that
+    closes while its memory is held leaves it there instead of keeping it for good.
 
     It need not detect overlapping registrations, double deregistrations or writes from
     unregistered memory (a NIC would not); the Encoder never asks for them:

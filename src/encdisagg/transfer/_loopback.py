@@ -11,6 +11,7 @@ from typing import final
 import anyio
 
 from .._errors import TransferError
+from ._lifetime import EngineLifetime
 from ._regions import RegionTable, check_range
 
 __all__ = ["LoopbackEngine", "LoopbackFabric"]
@@ -74,6 +75,7 @@ class LoopbackEngine(anyio.AsyncContextManagerMixin):
         self._fabric = LoopbackFabric() if fabric is None else fabric
         self._regions = RegionTable()  # guarded by the fabric's lock
         self._closed = False  # guarded by the fabric's lock
+        self._lifetime = EngineLifetime()
         self._session_id = self._fabric._join(self, name)
 
     @property
@@ -150,8 +152,14 @@ class LoopbackEngine(anyio.AsyncContextManagerMixin):
         with self._fabric._lock:
             return len(self._regions)
 
+    def keep_until_closed(self, keepalive: object, ptr: int | None = None) -> None:
+        """Reference ``keepalive`` until the engine closed (nothing writes into or from its
+        memory then). Thread-safe."""
+        self._lifetime.keep(keepalive, ptr)
+
     def close(self) -> None:
-        """Leave the fabric and forget every registration. Idempotent.
+        """Leave the fabric and forget every registration; drop what was left to the engine.
+        Idempotent.
 
         Later calls raise :class:`~encdisagg.TransferError`; writes to this session from other
         engines fail as writes to an unknown session.
@@ -163,6 +171,8 @@ class LoopbackEngine(anyio.AsyncContextManagerMixin):
             self._regions.clear()
             if self._fabric._engines.get(self._session_id) is self:
                 del self._fabric._engines[self._session_id]
+        # Outside the lock: every copy through this engine ran under it, and none can start.
+        self._lifetime.destroyed("the loopback engine was closed")
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[LoopbackEngine]:

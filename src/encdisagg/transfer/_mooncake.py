@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from typing import Final, Protocol, cast, final
 
@@ -14,10 +14,19 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from .._errors import TransferError
+from .._errors import TransferError, TransferTimeoutError
 from ..nurseries import run_thread_to_completion
+from ._lifetime import EngineLifetime
 from ._mooncake_listen import keep_listeners_to_host, socket_inodes
-from ._mooncake_waiter import DONE, FAILED, STILL_RUNNING, TIMED_OUT, CompletionWaiter, poll_on_loop
+from ._mooncake_waiter import (
+    DONE,
+    FAILED,
+    STILL_RUNNING,
+    TIMED_OUT,
+    CompletionWaiter,
+    block_until_ended,
+    poll_on_loop,
+)
 from ._native_logs import native_lines_to_logging, quiet_mooncake_by_default
 from ._regions import RegionTable, check_range
 
@@ -52,9 +61,6 @@ class _MooncakeApi(Protocol):
     def get_rpc_port(self) -> int: ...
     def register_memory(self, buffer_addr: int, capacity: int, /) -> int: ...
     def unregister_memory(self, buffer_addr: int, /) -> int: ...
-    def transfer_sync_write(
-        self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, /
-    ) -> int: ...
     def transfer_submit_write(
         self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, /
     ) -> int: ...
@@ -90,8 +96,18 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
     Mooncake's TCP transport does not check that, RDMA does.
 
     :meth:`write_async` is the same write made from the event loop without a worker thread
-    per call (the Encoder uses it when an engine has one): submitted, then polled until
-    Mooncake reports it done.
+    per call (the Encoder uses it when an engine has one). Both submit the write and check
+    its status until Mooncake reports it ended, so a failed write and one whose outcome is
+    unknown stay apart: a write still running when Mooncake's own bound passed, or that
+    Mooncake reports timed out, raises :class:`~encdisagg.TransferTimeoutError` with a
+    :class:`~encdisagg.transfer.Hold` on its local memory. The engine goes on checking it
+    and settles the hold once Mooncake reports it done or failed; closing the engine
+    settles every hold left, once the Mooncake engine was destroyed (its threads joined),
+    and until then leaves their regions registered.
+
+    Leaving the ``async with`` block waits until every write in flight ended or outlived
+    its bound, then deregisters what is still registered (not held), destroys the
+    Mooncake engine, and only then drops what was left to it (:meth:`keep_until_closed`).
 
     :param hostname: the local host (``"host"`` or ``"host:port"``) given to Mooncake. Its
         handshake and TCP data ports answer only connections to this host (Mooncake binds
@@ -142,6 +158,8 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         # needs no handshake (a blocking RPC). A failed write forgets its session.
         self._connected: set[str] = set()
         self._waiter = CompletionWaiter()
+        # Writes in flight, holds on writes whose outcome is unknown, memory left here.
+        self._lifetime = EngineLifetime()
 
     @property
     def poll_on_loop_s(self) -> float:
@@ -204,102 +222,133 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
     def write(self, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
         """Write ``nbytes`` from ``local_ptr`` into ``remote_ptr`` of ``target_session``.
 
-        Blocks until Mooncake reports the transfer done (``transfer_sync_write``); the GIL is
-        released meanwhile.
+        Blocks until Mooncake reports the write ended: submitted (the first write to a
+        session opens it with a handshake), then its status checked, sleeping in between,
+        for at most Mooncake's own bound on a synchronous write (``MC_TRANSFER_TIMEOUT``, 30 s
+        by default, plus a second per GiB).
 
         :raises TransferError: naming the call, the target and the rc when Mooncake fails (an
             unreachable session, a remote range outside the peer's registered memory), and
             for a local range outside this engine's registered regions.
+        :raises TransferTimeoutError: the bound passed, or Mooncake reported a timeout: the
+            write may still read the local memory; its ``hold`` settles once Mooncake
+            reports it ended, or when this engine is destroyed.
         """
-        call = f"mooncake transfer_sync_write to {target_session}"
-        engine, _ = self._checked(call, target_session, local_ptr, remote_ptr, nbytes)
-        # Outside the lock: transfers run concurrently. Keeping the region registered until
-        # this returns is the caller's job (its owning scope deregisters after draining).
-        rc = engine.transfer_sync_write(target_session, local_ptr, remote_ptr, nbytes)
-        with self._lock:
-            if rc == 0:
-                self._connected.add(target_session)
-            else:
-                self._connected.discard(target_session)
-        if rc != 0:
-            raise TransferError(f"{call} failed (rc={rc})")
+        call = f"mooncake write to {target_session}"
+        engine, _ = self._begin_write(call, target_session, local_ptr, remote_ptr, nbytes)
+        try:
+            batch = self._submit(engine, call, target_session, local_ptr, remote_ptr, nbytes)
+            bound = time.monotonic() + self._write_bound_s(nbytes)
+            rc = block_until_ended(engine, batch, bound)
+            self._conclude(engine, call, target_session, batch, rc, local_ptr, nbytes)
+        finally:
+            self._end_write()
 
     async def write_async(
+        self, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int
+    ) -> None:
+        """:meth:`write`, awaited on the event loop instead of blocking a worker thread.
+
+        The submit runs on the event loop for an open session (it only queues the write),
+        in a worker thread for the first write to a session (Mooncake opens it with a
+        handshake, a blocking RPC) or one over ``submit_on_loop_max_bytes``. Unless Mooncake
+        reports the write done at once, this task checks it (``transfer_check_status``)
+        once per event-loop turn, yielding in between, for up to ``poll_on_loop_s``; a write
+        still running then is polled by the engine's completion thread (with every other
+        write handed to it), which wakes this task when the write ended. Always a
+        cancellation point; a checkpoint (it yields to other tasks) unless Mooncake reported
+        the write done right after submitting it.
+
+        Once submitted, the write runs to its end: cancelling the caller (once or many times)
+        takes effect only after Mooncake reported it done or failed, or after the write
+        outlived Mooncake's own bound, so the caller that sees the cancellation knows where
+        the memory stands.
+
+        :raises TransferError: as :meth:`write`.
+        :raises TransferTimeoutError: as :meth:`write`: the memory is held.
+        """
+        call = f"mooncake write to {target_session}"
+        engine, connected = self._begin_write(call, target_session, local_ptr, remote_ptr, nbytes)
+        try:
+            with anyio.CancelScope(shield=True):
+                # Shielded from the submit on: a submitted write cannot be called back, so the
+                # caller must not return before it ended or outlived its bound.
+                args = (engine, call, target_session, local_ptr, remote_ptr, nbytes)
+                if connected and nbytes <= self._submit_on_loop_max_bytes:
+                    batch = self._submit(*args)
+                else:
+                    batch = await run_thread_to_completion(self._submit, *args)
+                rc = engine.transfer_check_status(batch)
+                if rc not in (DONE, FAILED, TIMED_OUT):
+                    # Still running (a TCP submit often sent the bytes already, then it ended).
+                    timeout_s = self._write_bound_s(nbytes)
+                    polled_s = min(self._poll_on_loop_s, timeout_s)
+                    rc = await poll_on_loop(engine, batch, time.monotonic() + polled_s)
+                    if rc == STILL_RUNNING:
+                        rc = await self._waiter.wait(engine, batch, timeout_s - polled_s)
+                self._conclude(engine, call, target_session, batch, rc, local_ptr, nbytes)
+        finally:
+            self._end_write()
+        # A cancellation that arrived meanwhile is delivered now the write ended.
+        await anyio.lowlevel.checkpoint_if_cancelled()
+
+    def _submit(
         self,
+        engine: _MooncakeApi,
+        call: str,
         target_session: str,
         local_ptr: int,
         remote_ptr: int,
         nbytes: int,
-        *,
-        on_still_held: Callable[[], None] | None = None,
+    ) -> int:
+        """Submit the write; its batch id. :raises TransferError: Mooncake refused it."""
+        batch = engine.transfer_submit_write(target_session, local_ptr, remote_ptr, nbytes)
+        if batch in _NO_BATCH:
+            self._forget(target_session)
+            raise TransferError(f"{call} failed (batch id {batch})")
+        return batch
+
+    def _conclude(
+        self,
+        engine: _MooncakeApi,
+        call: str,
+        target_session: str,
+        batch: int,
+        rc: int,
+        local_ptr: int,
+        nbytes: int,
     ) -> None:
-        """:meth:`write`, awaited on the event loop instead of blocking a worker thread.
-
-        The first write to a session (Mooncake opens the session with a handshake, a
-        blocking RPC) goes through :meth:`write` in a worker thread. Later writes are
-        submitted (``transfer_submit_write``) on the event loop, or from a worker thread
-        when over ``submit_on_loop_max_bytes``; unless Mooncake reports one done at once, this
-        task checks it (``transfer_check_status``) once per event-loop turn, yielding in
-        between, for up to ``poll_on_loop_s``; a write still running then is polled by the
-        engine's completion thread (with every other write handed to it), which wakes this
-        task when the write ended. Always a cancellation
-        point; a checkpoint (it yields to other tasks) unless Mooncake reported the write
-        done right after submitting it.
-
-        Once submitted, the write runs to its end: cancelling the caller (once or many times)
-        takes effect only after Mooncake reported it done or failed, so the local memory is
-        free when the caller sees the cancellation. That wait is bounded as Mooncake bounds
-        its own synchronous write (``MC_TRANSFER_TIMEOUT``, 30 s by default, plus a second
-        per GiB); should the bound pass, or Mooncake report a timeout, Mooncake may still read
-        the memory: ``on_still_held()`` is called before this raises, so the caller can keep
-        that memory out of reuse for good.
-
-        :raises TransferError: as :meth:`write`, and for a write that did not end in time.
-        """
-        call = f"mooncake transfer_submit_write to {target_session}"
-        engine, connected = self._checked(call, target_session, local_ptr, remote_ptr, nbytes)
-        if not connected:
-            await run_thread_to_completion(
-                self.write, target_session, local_ptr, remote_ptr, nbytes
-            )
-            return
-        with anyio.CancelScope(shield=True):
-            # Shielded from the submit on: a submitted write cannot be called back, so the
-            # caller must not return before it ended.
-            if nbytes <= self._submit_on_loop_max_bytes:
-                batch = engine.transfer_submit_write(target_session, local_ptr, remote_ptr, nbytes)
-            else:
-                batch = await run_thread_to_completion(
-                    engine.transfer_submit_write, target_session, local_ptr, remote_ptr, nbytes
-                )
-            if batch in _NO_BATCH:
-                self._forget(target_session)
-                raise TransferError(f"{call} failed (batch id {batch})")
-            rc = engine.transfer_check_status(batch)
-            if rc not in (DONE, FAILED, TIMED_OUT):
-                # Still running (a TCP submit often sent the bytes already, then it ended).
-                timeout_s = self._transfer_timeout_s + nbytes / (1 << 30)
-                polled_s = min(self._poll_on_loop_s, timeout_s)
-                rc = await poll_on_loop(engine, batch, time.monotonic() + polled_s)
-                if rc == STILL_RUNNING:
-                    rc = await self._waiter.wait(engine, batch, timeout_s - polled_s)
+        """What a write's last status means: done, failed, or an unknown outcome (held)."""
         if rc == DONE:
-            # A cancellation that arrived meanwhile is delivered now the write ended.
-            await anyio.lowlevel.checkpoint_if_cancelled()
+            with self._lock:
+                self._connected.add(target_session)
             return
         self._forget(target_session)
         if rc == FAILED:
             raise TransferError(f"{call} failed (rc={rc})")
-        if on_still_held is not None:
-            on_still_held()
         what = "timed out (rc=-2)" if rc == TIMED_OUT else "did not end in time"
-        raise TransferError(f"{call} {what}; Mooncake may still read the local memory")
+        hold = self._lifetime.hold(
+            f"{nbytes} bytes at {local_ptr:#x} (a write to {target_session})", local_ptr, nbytes
+        )
+        # Mooncake frees a batch that ended: a timed-out one is not freed, so checking it
+        # again is safe, and the only way to learn that its slices stopped.
+        if not self._waiter.watch(engine, batch, hold):
+            _log_unwatched(call)
+        raise TransferTimeoutError(
+            f"{call} {what}; Mooncake may still read the local memory, which stays held "
+            "until Mooncake reports the write ended or the engine is closed",
+            hold=hold,
+        )
 
-    def _checked(
+    def _write_bound_s(self, nbytes: int) -> float:
+        """Mooncake's own bound on a synchronous write of ``nbytes``."""
+        return self._transfer_timeout_s + nbytes / (1 << 30)
+
+    def _begin_write(
         self, call: str, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int
     ) -> tuple[_MooncakeApi, bool]:
         """The running engine for a write the arguments allow, and whether the session is
-        open already. Not async.
+        open already; the write counts as in flight until :meth:`_end_write`. Not async.
 
         :raises TransferError: naming ``call`` for a bad argument, a stopped engine, or a local
             range outside this engine's registered regions.
@@ -314,7 +363,22 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
                 raise TransferError(
                     f"{call}: local range {local_ptr:#x}+{nbytes} is not inside a registered region"
                 )
+            self._lifetime.begin_write()
             return engine, target_session in self._connected
+
+    def _end_write(self) -> None:
+        self._lifetime.end_write()
+
+    def keep_until_closed(self, keepalive: object, ptr: int | None = None) -> None:
+        """Reference ``keepalive`` until the Mooncake engine was destroyed (nothing touches
+        memory through it then); the region registered at ``ptr``, if given, stays
+        registered until then. Dropped at once if the engine is gone already. Thread-safe."""
+        self._lifetime.keep(keepalive, ptr)
+
+    @property
+    def unsettled(self) -> int:
+        """Writes whose outcome is unknown and that the engine still holds memory for."""
+        return self._lifetime.unsettled
 
     def _forget(self, target_session: str) -> None:
         with self._lock:
@@ -379,22 +443,28 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
             self._connected.clear()
             leftovers = self._regions.items()
             self._regions.clear()
+        # Every write is bounded by Mooncake's own timeout: the engine outlives them all.
+        self._lifetime.wait_writes_ended()
         self._waiter.stop()
-        if engine is None:
-            return
-        for ptr, nbytes in leftovers:
-            rc = engine.unregister_memory(ptr)
-            if rc != 0:
-                logger.error(
-                    "MooncakeEngine %s: unregister_memory of %#x (%d bytes) failed at exit (rc=%d)",
-                    self._session_id,
-                    ptr,
-                    nbytes,
-                    rc,
-                )
-        # Dropping the last reference here, in the worker thread, lets Mooncake join its
-        # threads (about a second) off the event loop.
-        del engine
+        if engine is not None:
+            for ptr, nbytes in leftovers:
+                if self._lifetime.spares(ptr, nbytes):
+                    continue
+                rc = engine.unregister_memory(ptr)
+                if rc != 0:
+                    logger.error(
+                        "MooncakeEngine %s: unregister_memory of %#x (%d bytes) failed at exit "
+                        "(rc=%d)",
+                        self._session_id,
+                        ptr,
+                        nbytes,
+                        rc,
+                    )
+            # Dropping the last reference here, in the worker thread, lets Mooncake join its
+            # threads (about a second) off the event loop. Once joined, no slice of any
+            # write touches memory any more: what was held may go.
+            del engine
+        self._lifetime.destroyed("the Mooncake engine was destroyed")
 
     def _require(self, call: str) -> _MooncakeApi:
         if self._engine is None:
@@ -409,6 +479,14 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
 
     def __repr__(self) -> str:
         return f"<MooncakeEngine {self._session_id or self._hostname} regions={len(self._regions)}>"
+
+
+def _log_unwatched(call: str) -> None:
+    logger.error(
+        "%s: the engine is closing, so the write that outlived its bound is not checked "
+        "again; its memory stays held until the engine was destroyed",
+        call,
+    )
 
 
 def _mooncake_transfer_timeout_s() -> float:

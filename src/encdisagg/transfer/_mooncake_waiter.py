@@ -17,6 +17,13 @@ A write submitted with ``transfer_submit_write`` ends when Mooncake says so thro
   oversubscribed did the thread come out ahead. So writes are polled on the loop first and
   handed to the thread once they ran long (a slow or dead peer), where a busy loop would
   only waste a core.
+
+A write that outlived its wait (its bound passed, or Mooncake answered TIMED_OUT: the batch
+is then not freed, and its slices may still fly) is *watched*: the same thread goes on
+checking it, slowly, until Mooncake reports it done or failed, and then settles its
+:class:`~encdisagg.transfer.Hold`. Watches are dropped when the thread stops; the engine
+settles what is left once it was destroyed. :func:`block_until_ended` is the wait of a
+synchronous write, in its caller's thread.
 """
 
 from __future__ import annotations
@@ -30,8 +37,17 @@ from typing import Final, Protocol, final
 import anyio
 
 from ..nurseries import ThreadSafeEvent, loop_checkpoint
+from ._holds import Hold
 
-__all__ = ["DONE", "FAILED", "STILL_RUNNING", "TIMED_OUT", "CompletionWaiter", "poll_on_loop"]
+__all__ = [
+    "DONE",
+    "FAILED",
+    "STILL_RUNNING",
+    "TIMED_OUT",
+    "CompletionWaiter",
+    "block_until_ended",
+    "poll_on_loop",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -48,10 +64,36 @@ _MAX_SLEEP_S: Final = 1e-3
 #: A round's sleep is this share of the youngest write's age: a write is seen done at most
 #: about a tenth of its own duration late.
 _SLEEP_SHARE: Final = 0.1
+#: A watched write is checked first after this long, then at doubling intervals up to the
+#: most: it is past its bound already, and nobody waits on it.
+_FIRST_WATCH_S: Final = 0.01
+_MAX_WATCH_S: Final = 1.0
+#: What settles a watched write's hold: Mooncake freed the batch, so no slice runs.
+_SETTLING: Final = {
+    DONE: "Mooncake reported the write done",
+    FAILED: "Mooncake reported the write failed",
+}
 
 
 class _StatusApi(Protocol):
     def transfer_check_status(self, batch_id: int, /) -> int: ...
+
+
+def block_until_ended(engine: _StatusApi, batch: int, until: float) -> int:
+    """Check ``batch`` in this thread until it ended or ``time.monotonic()`` passed
+    ``until``, sleeping between checks (the interpreter lock is let go meanwhile) a tenth of
+    the write's age, from 20 µs to 1 ms; its rc then (:data:`STILL_RUNNING` if it still
+    runs). Blocks: call it off the event loop."""
+    started = time.monotonic()
+    while True:
+        rc = engine.transfer_check_status(batch)
+        if rc in _ENDED:
+            return rc
+        now = time.monotonic()
+        if now >= until:
+            return STILL_RUNNING
+        nap = max((now - started) * _SLEEP_SHARE, _MIN_SLEEP_S)
+        time.sleep(min(nap, _MAX_SLEEP_S, until - now))
 
 
 async def poll_on_loop(engine: _StatusApi, batch: int, until: float) -> int:
@@ -82,6 +124,15 @@ class _Pending:
     error: BaseException | None = field(default=None)
 
 
+@dataclass(eq=False, slots=True)
+class _Watch:
+    engine: _StatusApi
+    batch: int
+    hold: Hold
+    next_check: float
+    interval: float = _FIRST_WATCH_S
+
+
 @final
 class CompletionWaiter:
     """Waits for submitted writes in one thread of its own.
@@ -94,6 +145,7 @@ class CompletionWaiter:
         self._condition = threading.Condition()
         # Guarded by _condition.
         self._pending: list[_Pending] = []
+        self._watched: list[_Watch] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -106,7 +158,7 @@ class CompletionWaiter:
 
     def stop(self) -> None:
         """Let the thread end once every write it waits for ended or passed its deadline,
-        and join it. Blocks."""
+        and join it; watched writes are dropped, unsettled (see :meth:`watch`). Blocks."""
         with self._condition:
             thread, self._thread = self._thread, None
             self._stopping = True
@@ -139,14 +191,37 @@ class CompletionWaiter:
             raise pending.error
         return pending.rc
 
+    def watch(self, engine: _StatusApi, batch: int, hold: Hold) -> bool:
+        """Go on checking ``batch``, a write that outlived its wait, until Mooncake reports
+        it done or failed, then settle ``hold``. Not a checkpoint; never blocks.
+
+        :return: False (nothing watched) once the thread stopped: the engine's destruction
+            settles the hold then.
+        """
+        with self._condition:
+            if self._thread is None or self._stopping:
+                return False
+            self._watched.append(_Watch(engine, batch, hold, time.monotonic() + _FIRST_WATCH_S))
+            self._condition.notify()
+        return True
+
     def _run(self) -> None:
         while True:
             with self._condition:
                 while not self._pending and not self._stopping:
-                    self._condition.wait()
-                if not self._pending:
+                    due = min((watch.next_check for watch in self._watched), default=None)
+                    if due is not None and due <= time.monotonic():
+                        break
+                    self._condition.wait(None if due is None else due - time.monotonic())
+                if not self._pending and self._stopping:
+                    self._watched.clear()
                     return
                 round_ = list(self._pending)
+                now = time.monotonic()
+                watches = [watch for watch in self._watched if watch.next_check <= now]
+            self._check_watches(watches)
+            if not round_:
+                continue
             ended = [pending for pending in round_ if _poll(pending)]
             youngest = max(pending.submitted for pending in round_)
             with self._condition:
@@ -157,6 +232,22 @@ class CompletionWaiter:
             if len(ended) < len(round_):
                 age = time.monotonic() - youngest
                 time.sleep(min(max(age * _SLEEP_SHARE, _MIN_SLEEP_S), _MAX_SLEEP_S))
+
+    def _check_watches(self, watches: list[_Watch]) -> None:
+        for watch in watches:
+            try:
+                rc = watch.engine.transfer_check_status(watch.batch)
+            except Exception:
+                _log.exception("checking a watched Mooncake write failed; it stays held")
+                rc = STILL_RUNNING
+            settling = _SETTLING.get(rc)
+            if settling is not None:
+                with self._condition:
+                    self._watched.remove(watch)
+                watch.hold.settle(settling)
+                continue
+            watch.interval = min(watch.interval * 2, _MAX_WATCH_S)
+            watch.next_check = time.monotonic() + watch.interval
 
 
 def _poll(pending: _Pending) -> bool:

@@ -16,6 +16,7 @@ import zmq
 
 from .._errors import TransferError
 from ..nurseries import ThreadSafeEvent, collapse_single_error, run_thread_to_completion
+from ._holds import Hold
 from ._wire import EmbeddingHeader, check_payload, encode_header
 from ._zmq_curve import CurveClient
 from ._zmq_release import send_signalled, wait_released
@@ -134,7 +135,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         header: EmbeddingHeader,
         payload: memoryview | None,
         *,
-        on_still_held: Callable[[], None] | None = None,
+        on_still_held: Callable[[Hold], None] | None = None,
     ) -> None:
         """Push ``[header, payload]`` to ``url``; return once ZMQ no longer holds ``payload``.
 
@@ -165,8 +166,9 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         ahead fare on their own. The next send to an evicted URL connects afresh.
 
         Should ZMQ still reference the payload even then (it never did so in any test: ZMQ lets
-        go within milliseconds of the close), ``on_still_held()`` is called before the call
-        raises, so the caller can keep that memory out of reuse for good.
+        go within milliseconds of the close), ``on_still_held(hold)`` is called before the
+        call raises, with a :class:`~encdisagg.transfer.Hold` on the payload that settles
+        once ZMQ lets go of it: the caller keeps that memory out of reuse until then.
 
         A timeout raises :class:`~encdisagg.TransferError` (502), not
         :class:`~encdisagg.RequestTimeoutError`: a peer that does not take the message is a
@@ -303,7 +305,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         head: bytes,
         payload: memoryview | None,
         what: str,
-        on_still_held: Callable[[], None] | None,
+        on_still_held: Callable[[Hold], None] | None,
     ) -> None:
         # A cancellation point now; the scheduling point is the release wait below (or,
         # when there is nothing to wait for, the shielded checkpoint at the end).
@@ -332,7 +334,9 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         if not released_at_once:
             connection.held.add(tracker)
         try:
-            await self._wait_released(connection, tracker, what, on_still_held)
+            await self._wait_released(
+                connection, tracker, what, on_still_held, 0 if payload is None else payload.nbytes
+            )
         finally:
             connection.users -= 1
             connection.held.discard(tracker)
@@ -372,7 +376,8 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         connection: Connection,
         tracker: zmq.MessageTracker,
         what: str,
-        on_still_held: Callable[[], None] | None,
+        on_still_held: Callable[[Hold], None] | None,
+        held_bytes: int = 0,
     ) -> None:
         # A send that gives up (timed out, cancelled, aborted) while ZMQ holds the payload
         # drops the connection: ZMQ cannot unqueue one message, but closing the socket with
@@ -386,6 +391,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             thread_bound_s=self._send_timeout_s + self._release_timeout_s + 1.0,
             limiter=self._release_waiters,
             on_still_held=on_still_held,
+            held_bytes=held_bytes,
         )
         if connection.lost(tracker):
             raise TransferError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Final
@@ -27,6 +28,7 @@ import zmq
 
 from .._errors import TransferError
 from ..nurseries import ThreadSafeEvent
+from ._holds import Hold
 
 __all__ = ["SignalledTracker", "send_signalled", "wait_released"]
 
@@ -37,12 +39,44 @@ logger = logging.getLogger(__name__)
 _SIGNAL_GRACE_S: Final = 1.0
 
 
-class SignalledTracker(zmq.MessageTracker):
-    """A frame's tracker, plus the event its buffer's finalizer sets (see the module)."""
+class _ReleaseSignal:
+    """Fired by the payload view's finalizer, in pyzmq's thread, once ZMQ dropped the frame:
+    wakes the waiting send and settles the holds taken on the payload meanwhile."""
 
-    def __init__(self, tracker: zmq.MessageTracker, released: ThreadSafeEvent) -> None:
-        super().__init__(tracker)
+    __slots__ = ("_fired", "_holds", "_lock", "released")
+
+    def __init__(self, released: ThreadSafeEvent) -> None:
         self.released = released
+        self._lock = threading.Lock()
+        self._fired = False
+        self._holds: list[Hold] = []
+
+    def fire(self) -> None:
+        with self._lock:
+            self._fired = True
+            holds, self._holds = self._holds, []
+        self.released.set_from_thread()
+        for hold in holds:
+            hold.settle("ZMQ let go of the payload")
+
+    def settle_when_fired(self, hold: Hold) -> None:
+        with self._lock:
+            if not self._fired:
+                self._holds.append(hold)
+                return
+        hold.settle("ZMQ let go of the payload")
+
+
+class SignalledTracker(zmq.MessageTracker):
+    """A frame's tracker, plus the signal its buffer's finalizer fires (see the module)."""
+
+    def __init__(self, tracker: zmq.MessageTracker, signal: _ReleaseSignal) -> None:
+        super().__init__(tracker)
+        self.signal = signal
+
+    @property
+    def released(self) -> ThreadSafeEvent:
+        return self.signal.released
 
 
 def send_signalled(
@@ -55,14 +89,14 @@ def send_signalled(
     track=True)``; the tracker returned also wakes :func:`wait_released` without a thread.
     Not a checkpoint; call it on the event loop (``schedule``: that loop's
     :meth:`~encdisagg.nurseries.ThreadSafeEvent.loop_scheduler`, if the caller has it)."""
-    released = ThreadSafeEvent(schedule)
+    signal = _ReleaseSignal(ThreadSafeEvent(schedule))
     # Our own view: nothing but pyzmq holds it once the send returned, so its finalizer
     # runs when pyzmq drops it. (The caller's payload object lives on.)
     view = memoryview(payload)
-    weakref.finalize(view, released.set_from_thread)
+    weakref.finalize(view, signal.fire)
     tracker = sock.send(view, flags, copy=False, track=True)
     del view
-    return SignalledTracker(tracker, released)
+    return SignalledTracker(tracker, signal)
 
 
 def _released(tracker: zmq.MessageTracker) -> bool:
@@ -82,7 +116,8 @@ async def wait_released(
     drop_bound_s: float,
     thread_bound_s: float,
     limiter: anyio.CapacityLimiter,
-    on_still_held: Callable[[], None] | None = None,
+    on_still_held: Callable[[Hold], None] | None = None,
+    held_bytes: int = 0,
 ) -> None:
     """Return once ZMQ no longer references the frame ``tracker`` tracks.
 
@@ -94,8 +129,10 @@ async def wait_released(
     If the caller is cancelled meanwhile, ``drop()`` (which must make ZMQ let go, e.g. by
     closing the socket with linger 0) is called, the wait goes on in the same thread,
     shielded, for at most ``drop_bound_s``, and only then the cancellation propagates.
-    Should the frame still be held by then, that is logged, ``on_still_held()`` is called
-    (the caller must then keep the memory out of reuse for good) and the thread abandoned.
+    Should the frame still be held by then, that is logged, ``on_still_held(hold)`` is
+    called with a :class:`~encdisagg.transfer.Hold` on the payload (``held_bytes``), settled
+    once ZMQ lets go of it (never, for a tracker this module did not make: the memory is
+    then held for good), and the thread abandoned.
 
     :raises TransferError: if ``thread_bound_s`` ran out before the release (after calling
         ``drop()``). Pick it longer than any deadline of the caller: it only keeps a thread
@@ -109,8 +146,7 @@ async def wait_released(
                 await tracker.released.wait()
         except BaseException:
             await _drop_and_wait(tracker, tracker.released, what, drop, drop_bound_s)
-            if not tracker.done and on_still_held is not None:
-                on_still_held()
+            _hold_if_held(tracker, what, held_bytes, on_still_held)
             raise
         if _released(tracker):  # a wake-up is believed only if the tracker agrees
             return
@@ -137,14 +173,27 @@ async def wait_released(
         except BaseException:
             await _drop_and_wait(tracker, released, what, drop, drop_bound_s)
             watch_scope.cancel()
-            if not tracker.done and on_still_held is not None:
-                on_still_held()
+            _hold_if_held(tracker, what, held_bytes, on_still_held)
             raise
     if not tracker.done:
         drop()
-        if on_still_held is not None:
-            on_still_held()
+        _hold_if_held(tracker, what, held_bytes, on_still_held)
         raise TransferError(f"{what}: ZMQ did not release the payload within {thread_bound_s} s")
+
+
+def _hold_if_held(
+    tracker: zmq.MessageTracker,
+    what: str,
+    nbytes: int,
+    on_still_held: Callable[[Hold], None] | None,
+) -> None:
+    """ZMQ still references the payload: hand its owner a hold, settled on the release."""
+    if tracker.done or on_still_held is None:
+        return
+    hold = Hold(f"the {nbytes}-byte payload of the {what}", nbytes)
+    on_still_held(hold)
+    if isinstance(tracker, SignalledTracker):
+        tracker.signal.settle_when_fired(hold)
 
 
 async def _drop_and_wait(
