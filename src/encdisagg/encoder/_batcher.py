@@ -130,6 +130,11 @@ class Batcher:
         finally:
             self._fail_queued()
 
+    def close(self) -> None:
+        """Refuse new jobs and fail the queued ones (503). Idempotent; not a checkpoint. For
+        a batcher whose :meth:`run` never started (it does the same when it ends)."""
+        self._fail_queued()
+
     def _fail_queued(self) -> None:
         # Closing the sending side first refuses new submits; the receiving side is closed
         # only once drained, since a closed one gives nothing back.
@@ -138,7 +143,7 @@ class Batcher:
             while True:
                 try:
                     job = self._receive.receive_nowait()
-                except (anyio.WouldBlock, anyio.EndOfStream):
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                     return
                 job.finish(
                     None,

@@ -69,8 +69,15 @@ class Delivery:
             await self._write(job, staged, destination)
         except TransferTimeoutError as exc:
             # The write may still read the memory: hold it before the job can end.
-            self._regions.hold(staged, _hold_of(exc, record.req_id, staged))
-            exc.req_id = record.req_id
+            hold = _hold_of(exc, record.req_id, staged)
+            self._regions.hold(staged, hold)
+            req_id = record.req_id
+            raise TransferTimeoutError(
+                f"req_id {req_id!r}: {exc.message}", req_id=req_id, hold=hold
+            ) from exc
+        except TransferError as exc:
+            if exc.req_id is None:
+                exc.req_id = record.req_id
             raise
 
     async def _write(self, job: Job, staged: Staged, destination: MooncakeDestination) -> None:

@@ -127,6 +127,9 @@ class Encoder(anyio.AsyncContextManagerMixin):
             )
             batcher = self._batcher = compute.batcher
             delivery = Delivery(regions, zmq, layout=getattr(model, "embedding_layout", None))
+            if batcher is not None:
+                # Its queue is closed even if the encoder never got as far as running it.
+                stack.callback(batcher.close)
             async with anyio.create_task_group() as owner:
                 await owner.start(regions.run)
                 try:

@@ -207,7 +207,7 @@ class RegionOwner:
             staged.ptr,
             staged.nbytes,
             staged.own,
-            what=f"req_id {req_id!r}'s embedding ({staged.nbytes} bytes at {staged.ptr:#x})",
+            what=f"the embedding of req_id {req_id!r} ({staged.nbytes} bytes at {staged.ptr:#x})",
         )
         registration.on_deregistered = partial(self._own_gone, staged.nbytes)
         return registration
@@ -472,7 +472,7 @@ class RegionOwner:
                 )
         for req_id, staged in self.held.still_held():
             if staged.registration is not None:
-                staged.registration.leave(f"req_id {req_id!r}'s transfer may still read it")
+                staged.registration.leave(f"a transfer of req_id {req_id!r} may still read it")
 
     async def _close_arena(self) -> None:
         registration = self._arena_registration
