@@ -134,11 +134,13 @@ async def test_closing_an_encoder_that_owns_its_engine_waits_and_deregisters_not
         except Exception as exc:
             raised.append(exc)
 
-    async with anyio.create_task_group() as outer:
-        async with Encoder(config, model=ScriptedModel()) as encoder:
-            await encoder.encode(EncodeRequest("r1", [TOKENS]))
-            outer.start_soon(send, encoder)
-            await until(lambda: bool(fake.unfinished()))
+    async with (
+        anyio.create_task_group() as outer,
+        Encoder(config, model=ScriptedModel()) as encoder,
+    ):
+        await encoder.encode(EncodeRequest("r1", [TOKENS]))
+        outer.start_soon(send, encoder)
+        await until(lambda: bool(fake.unfinished()))
     assert fake.violations == []
     [error] = raised
     assert isinstance(error, TransferError), error
@@ -160,7 +162,8 @@ async def test_memory_held_at_close_lives_as_long_as_the_callers_engine(
         async with encoder:
             await send_unknown(encoder, "r1")
             regions = encoder._regions
-            assert regions is not None and regions.arena is not None
+            assert regions is not None
+            assert regions.arena is not None
             arena = weakref.ref(regions.arena.buffer)
             del regions
         del encoder
@@ -235,6 +238,7 @@ async def test_a_cancelled_start_deregisters_the_arena_it_registered() -> None:
             scope.cancel()
             gate.let_go()
     assert scope.cancelled_caught
-    assert engine.registered and engine.deregistered == engine.registered
+    assert engine.registered
+    assert engine.deregistered == engine.registered
     assert engine.live == {}
     assert engine.violations == []
