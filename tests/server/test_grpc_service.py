@@ -30,7 +30,7 @@ from smg_grpc_proto.generated import (
     sglang_encoder_pb2_grpc as pb_grpc,
 )
 
-from encdisagg import BadRequestError, NotFoundError
+from encdisagg import BadRequestError, NotFoundError, TransferTimeoutError
 from encdisagg.server._access import ApiKey, ForbiddenError
 from encdisagg.server._grpc import GrpcServer
 
@@ -41,7 +41,7 @@ SERVICE = "sglang.grpc.encoder.SglangEncoder"
 
 class FakeCalls:
     """Records each body; ``req_id`` picks the behaviour (``"bad"``, ``"gone"``, ``"far"``,
-    ``"boom"``, ``"hold"`` waits for ``release``)."""
+    ``"late"``, ``"boom"``, ``"hold"`` waits for ``release``)."""
 
     def __init__(self) -> None:
         self.bodies: list[tuple[str, dict[str, object]]] = []
@@ -60,6 +60,8 @@ class FakeCalls:
             raise NotFoundError("unknown req_id 'gone'", req_id="gone")
         if req_id == "far":
             raise ForbiddenError("prefill_host: 203.0.113.9 is not an allowed peer")
+        if req_id == "late":
+            raise TransferTimeoutError("req_id 'late': the write may still land", req_id="late")
         if req_id == "boom":
             raise RuntimeError("secret internals at 0x7f00")
         if req_id == "hold":
@@ -199,6 +201,12 @@ async def test_send_and_scheduler_receive_url_bodies() -> None:
             "far",
             grpc.StatusCode.PERMISSION_DENIED,
             "prefill_host: 203.0.113.9 is not an allowed peer",
+        ),
+        # A transfer whose outcome is unknown is told apart from a failed one.
+        (
+            "late",
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "req_id 'late': the write may still land",
         ),
         ("boom", grpc.StatusCode.INTERNAL, "internal server error"),
     ],

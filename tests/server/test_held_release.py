@@ -19,7 +19,8 @@ from encdisagg import Encoder, EncoderConfig, EncodeRequest
 from tests.encoder._mooncake_fakes import ScriptedMooncake, scripted_mooncake
 from tests.encoder.fakes import ScriptedModel
 
-from ._helpers import running
+from ._helpers import fast_config, running
+from ._sglang_helpers import pull_sockets, sglang_encode_body
 
 pytestmark = pytest.mark.anyio
 
@@ -69,4 +70,36 @@ async def test_a_timed_out_send_is_504_and_its_release_says_the_write_may_still_
                 await anyio.sleep(0.01)
         release = await client.post("/release", json={"req_id": "r1"})
         assert release.status_code == 200
+    assert fake.violations == []
+
+
+async def test_the_sglang_wire_answers_a_timed_out_write_504(
+    make_app: Callable[..., Quart], scripted_mooncake: ScriptedMooncake
+) -> None:
+    # SGLang's own /send answers 500 for every failure (its receiver fails fast); a write
+    # whose outcome is unknown answers 504, as SGLang 0.5.23 does, so it is told apart.
+    fake = scripted_mooncake
+    fake.plan = ["timeout"]
+    encoder = Encoder(fast_config(transfer="mooncake", staging_arena_mb=0))
+    with pull_sockets(1) as (notice,):
+        async with running(make_app(encoder, wire="sglang")) as client:
+            body = sglang_encode_body("tcp")
+            assert (await client.post("/encode", json=body)).status_code == 200
+            meta = await client.post(
+                "/scheduler_receive_meta_data", json={"req_id": "tcp_local_part_0", "part_idx": 0}
+            )
+            send = dict(await meta.get_json())
+            send.update(
+                prefill_host="127.0.0.1",
+                embedding_port=notice.port,
+                session_id="peer:1",
+                buffer_address=0x7000_0000,
+            )
+            response = await client.post("/send", json=send)
+            assert response.status_code == 504, await response.get_data()
+            assert "tcp_local_part_0" in (await response.get_json())["message"]
+            fake.finish()
+            with anyio.fail_after(10):
+                while encoder.stats().held_bytes:
+                    await anyio.sleep(0.01)
     assert fake.violations == []

@@ -42,6 +42,7 @@ from .._errors import (
     InternalError,
     RequestTimeoutError,
     TransferError,
+    TransferTimeoutError,
 )
 from .._modality import Modality
 from .._video_timing import VideoTiming
@@ -251,6 +252,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
         :raises BadRequestError: bad fields, or this server does not run Mooncake.
         :raises InternalError: the part is unknown, released or failed, or the write or
             notice failed (SGLang answers 500, so its receiver fails fast).
+        :raises TransferTimeoutError: the write's outcome is unknown: it may still land (504,
+            as SGLang 0.5.23 answers a timed-out transfer).
         """
         message = SglangSendBody.from_json(body)
         self._require_open()
@@ -269,6 +272,10 @@ class SglangService(anyio.AsyncContextManagerMixin):
             await self._backend.send(message.send)
         except BadRequestError:
             raise
+        except TransferTimeoutError as exc:
+            # Not a failure: the write may still land (SGLang 0.5.23 answers 504 too).
+            self._mooncake_parts.pop(req_id, None)
+            raise TransferTimeoutError(exc.message, req_id=req_id) from None
         except EncdisaggError as exc:
             # A failed write released the part: the other ranks' /send fail fast too.
             self._mooncake_parts.pop(req_id, None)
