@@ -33,6 +33,12 @@ Cells: concurrency 1 and 64 x our backend (asyncio, Trio). Per cell, after one d
 warm-up run of each side, ``--pairs`` rounds alternate the order (peer, ours, ours blocking;
 then the reverse). A cell reports each side's lifecycles/s (median and every run), ours/peer
 as the median of the per-round ratios, and p50/p99 latency over every timed lifecycle.
+
+``--baseline-src DIR`` adds our encoder as an earlier checkout has it (``DIR`` is that
+checkout's ``src`` folder, importable instead of this one): two more sides, ``base`` and
+``base_blocking``, in every round beside the others, and each cell reports ours/base and
+blocking/base (medians of per-round ratios): a change measured side by side, same shape on
+both sides, in one run.
 """
 
 from __future__ import annotations
@@ -76,8 +82,10 @@ GOALS = {1: 1.2, 64: 2.0}
 TOKENS = 2
 HIDDEN = 4
 ITEMS = (b"image",)
-#: The three contestants of a round, in the order of even rounds (odd rounds reverse it).
+#: The contestants of a round, in the order of even rounds (odd rounds reverse it).
 SIDES = ("peer", "ours", "ours_blocking")
+#: With ``--baseline-src``: an earlier checkout of ours, beside the others.
+BASELINE_SIDES = ("base", "base_blocking")
 START_TIMEOUT_S = 600.0
 RUN_TIMEOUT_S = 600.0
 SINK_WAIT_S = 5.0
@@ -303,8 +311,12 @@ def _serve_ours() -> int:
 class _Side:
     """A long-lived child process answering run commands as JSON lines."""
 
-    def __init__(self, label: str, command: Sequence[str]) -> None:
+    def __init__(self, label: str, command: Sequence[str], *, src: Path | None = None) -> None:
         self.label = label
+        env = python_env()
+        if src is not None:
+            # That checkout's package is imported instead of this one's.
+            env["PYTHONPATH"] = os.pathsep.join([str(src), env["PYTHONPATH"]])
         self.process = subprocess.Popen(
             list(command),
             stdin=subprocess.PIPE,
@@ -312,7 +324,7 @@ class _Side:
             text=True,
             bufsize=1,
             cwd=REPO_ROOT,
-            env=python_env(),
+            env=env,
         )
         self.hello = self._answer(START_TIMEOUT_S, "start")
 
@@ -374,8 +386,8 @@ def _run_side(
 ) -> dict[str, Any]:
     if side == "peer":
         return sides["peer"].run(concurrency=concurrency, total=total)
-    blocking = side == "ours_blocking"
-    return sides["ours"].run(
+    blocking = side.endswith("_blocking")
+    return sides[side.removesuffix("_blocking")].run(
         concurrency=concurrency, total=total, backend=backend, blocking=blocking
     )
 
@@ -395,21 +407,26 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _ratios(runs: list[dict[str, Any]], under: list[dict[str, Any]]) -> dict[str, Any]:
+    ratios = [run["rate"] / base["rate"] for run, base in zip(runs, under, strict=True)]
+    return {"median": statistics.median(ratios), "per_pair": ratios}
+
+
 def _cell(
     sides: dict[str, _Side], concurrency: int, backend: str, total: int, pairs: int
 ) -> dict[str, Any]:
     total = (total // concurrency) * concurrency
     warmup = max(concurrency, (min(total, 256) // concurrency) * concurrency)
-    for side in SIDES:
+    contestants = SIDES + (BASELINE_SIDES if "base" in sides else ())
+    for side in contestants:
         _run_side(sides, side, concurrency, warmup, backend)
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in contestants}
     order_log = []
     for index in range(pairs):
-        order = SIDES if index % 2 == 0 else tuple(reversed(SIDES))
+        order = contestants if index % 2 == 0 else tuple(reversed(contestants))
         order_log.append(list(order))
         for side in order:
             runs[side].append(_run_side(sides, side, concurrency, total, backend))
-    peer_rates = [run["rate"] for run in runs["peer"]]
     cell: dict[str, Any] = {
         "concurrency": concurrency,
         "backend": backend,
@@ -417,11 +434,13 @@ def _cell(
         "lifecycles_per_run": total,
         "warmup_lifecycles": warmup,
         "order": order_log,
-        **{side: _summarise(runs[side]) for side in SIDES},
+        **{side: _summarise(runs[side]) for side in contestants},
     }
-    for side in SIDES[1:]:
-        ratios = [run["rate"] / peer for run, peer in zip(runs[side], peer_rates, strict=True)]
-        cell[f"{side}_over_peer"] = {"median": statistics.median(ratios), "per_pair": ratios}
+    for side in contestants[1:]:
+        cell[f"{side}_over_peer"] = _ratios(runs[side], runs["peer"])
+    if "base" in sides:
+        cell["ours_over_base"] = _ratios(runs["ours"], runs["base"])
+        cell["ours_blocking_over_base"] = _ratios(runs["ours_blocking"], runs["base_blocking"])
     return cell
 
 
@@ -443,13 +462,19 @@ def _table(cells: list[dict[str, Any]]) -> str:
     ]
     for cell in cells:
         peer, ours, slow = cell["peer"], cell["ours"], cell["ours_blocking"]
+        if "ours_over_base" in cell:
+            # Beside the baseline checkout: how the cells moved.
+            ours_note = f" ({cell['ours_over_base']['median']:.2f}x base)"
+            slow_note = f" ({cell['ours_blocking_over_base']['median']:.2f}x base)"
+        else:
+            ours_note = slow_note = ""
         lines.append(
             f"| {cell['concurrency']} | {cell['backend']} | "
             f"{peer['median_per_s']:,.0f} ({_runs(peer)}) | "
             f"{ours['median_per_s']:,.0f} ({_runs(ours)}) | "
-            f"{cell['ours_over_peer']['median']:.2f}x | "
+            f"{cell['ours_over_peer']['median']:.2f}x{ours_note} | "
             f"{slow['median_per_s']:,.0f} ({_runs(slow)}) | "
-            f"{cell['ours_blocking_over_peer']['median']:.2f}x | "
+            f"{cell['ours_blocking_over_peer']['median']:.2f}x{slow_note} | "
             f"{_ms(peer)} | {_ms(ours)} | {_ms(slow)} |"
         )
     return "\n".join(lines)
@@ -512,6 +537,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--peer-venv", default=os.environ.get(PEER_VENV_ENV), help=f"default: ${PEER_VENV_ENV}"
     )
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="the src folder of an earlier checkout, measured beside this one in every round",
+    )
     parser.add_argument("--serve", choices=("peer", "ours"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.pairs < 3:
@@ -539,6 +569,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sides["peer"] = _Side("the SGLang peer", [str(peer_python), script, "--serve", "peer"])
         sides["ours"] = _Side("our encoder", [sys.executable, script, "--serve", "ours"])
+        if args.baseline_src is not None:
+            if not (args.baseline_src / "encdisagg" / "__init__.py").is_file():
+                raise SystemExit(f"bench_peer: no encdisagg package in {args.baseline_src}")
+            sides["base"] = _Side(
+                "the baseline encoder",
+                [sys.executable, script, "--serve", "ours"],
+                src=args.baseline_src.resolve(),
+            )
         print(
             f"peer: sglang {sides['peer'].hello['sglang']}, torch {sides['peer'].hello['torch']},"
             f" python {sides['peer'].hello['python']}; ours: encdisagg "
@@ -568,6 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "peer_versions": {k: v for k, v in sides["peer"].hello.items() if k != "ready"},
         "our_versions": {k: v for k, v in sides["ours"].hello.items() if k != "ready"},
+        "baseline": None if args.baseline_src is None else "an earlier checkout's src, beside",
         "goals": {f"c={c}": f">= {goal}x" for c, goal in GOALS.items()},
         "cells": cells,
         "table_md": _table(cells),
