@@ -50,6 +50,19 @@ class _Engine:
         raise AssertionError("not used")
 
 
+async def _close_in_a_task(registration: MemoryRegistration, timeout_s: float) -> bool:
+    """``registration.close``, in a task of its own: the frames its bound cut short go with
+    the task, so they do not keep the memory alive past the test's checks."""
+    closed: list[bool] = []
+
+    async def close() -> None:
+        closed.append(await registration.close(timeout_s=timeout_s))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(close)
+    return closed[0]
+
+
 def test_a_hold_settles_once_and_lets_go_of_what_it_kept_after_telling_its_owners() -> None:
     hold = Hold("a test region", 64)
     memory = torch.zeros(16)
@@ -189,15 +202,7 @@ async def test_past_its_bound_a_held_registration_is_left_alive_to_its_engine() 
     await registration.open()
     registration.hold(Hold("a write that never ends"))
     del buffer
-    closed: list[bool] = []
-
-    async def close() -> None:
-        # In a task of its own: the frames its bound cut short go with the task.
-        closed.append(await registration.close(timeout_s=0.05))
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(close)
-    assert closed == [False]
+    assert not await _close_in_a_task(registration, 0.05)
     assert registration.state is MemoryRegistrationState.LEFT
     assert fabric_engine.registered_regions() == 1
     del registration
