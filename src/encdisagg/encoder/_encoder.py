@@ -213,6 +213,9 @@ class Encoder(anyio.AsyncContextManagerMixin):
         :raises RequestTimeoutError: staging did not happen in time, or the request's
             ``send_timeout_s`` passed during the send.
         :raises TransferError: the engine or the receiver failed the transfer.
+        :raises TransferTimeoutError: the transfer's outcome is unknown (the engine gave up
+            waiting for a write it cannot call back): it may still land, and the
+            embedding's memory is held until the engine reports the write ended.
         """
         await (lifecycle := self._require_open()).checkpoint()
         if not isinstance(destination, (ZmqDestination, MooncakeDestination)):
@@ -259,6 +262,11 @@ class Encoder(anyio.AsyncContextManagerMixin):
         running after ``cleanup_timeout_s`` is left to the region owner (its memory stays
         counted as staged until it returned). If cancelled while waiting, the release still
         completes on its own.
+
+        :raises TransferTimeoutError: the request is released, but a transfer of it ended
+            with an unknown outcome and may still land: its memory is held, and a release of
+            the id answers this until the engine reports that transfer ended (then it
+            returns as for a clean release). ``docs/cancellation.md``, the transfer contract.
         """
         lifecycle = self._lifecycle
         await (anyio.lowlevel.checkpoint() if lifecycle is None else lifecycle.checkpoint())
