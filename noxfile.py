@@ -1,5 +1,6 @@
 """Development sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s demo``, ``nox -s bench``,
-``nox -s bench_peer`` (not run by default: it builds SGLang's venv to measure against).
+``nox -s soak``, ``nox -s bench_peer`` (not run by default: it builds SGLang's venv to measure
+against).
 
 Every install goes through ``constraints.txt``: an unpinned torch can resolve to a multi-GB
 CUDA build, so torch is installed first, pinned, and every later install is constrained to it.
@@ -64,6 +65,20 @@ def bench(session: nox.Session) -> None:
     """Run the benchmark suite; results land in benchmarks/results/."""
     install_project(session, "mooncake-cpu", "dev", "bench")
     session.run("python", "-m", "benchmarks", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """The reliability tests at soak sizes (``ENCDISAGG_SOAK=1``): the hostile-client soak,
+    the route fuzzers and the transfer contract's state machine, each for minutes (``python
+    -m benchmarks --soak`` runs the same beside the benchmarks and keeps a report)."""
+    install_project(session, "mooncake-cpu", "dev")
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "ENCDISAGG_SOAK": "1"}
+    args = ["tests/reliability", "-q", "-p", "no:cacheprovider"]
+    args += ["--deselect", "tests/reliability/test_bench_runner.py"]
+    # Soak-sized tests run for minutes: no per-test timeout or traceback dumps.
+    args += ["--timeout", "3600", "-o", "faulthandler_timeout=0"]
+    session.run("pytest", *(session.posargs or args), env=env)
 
 
 @nox.session(python=PYTHON)

@@ -56,11 +56,13 @@ class HeldStaging:
         with self._lock:
             self._deferred[staged] = req_id
         self.by_req_id[req_id] = staged
-        for hold in list(staged.holds):
+        for hold in list(staged.holds or ()):
             hold.on_settled(partial(self._settled, staged))
 
     def is_held(self, req_id: str) -> bool:
         """Whether the memory a freed lifecycle of ``req_id`` staged is still held."""
+        if not self.by_req_id:
+            return False
         staged = self.by_req_id.get(req_id)
         return staged is not None and staged.held
 

@@ -236,8 +236,10 @@ class RegionOwner:
         if staged.held:
             self.held.defer(req_id, staged)
             return None
-        # The id's latest lifecycle ended clean: a release of it answers for that one.
-        self.held.by_req_id.pop(req_id, None)
+        held_ids = self.held.by_req_id
+        if held_ids:
+            # The id's latest lifecycle ended clean: a release of it answers for that one.
+            held_ids.pop(req_id, None)
         return self._release(req_id, staged)
 
     def _release(self, req_id: str, staged: Staged) -> Handover | None:

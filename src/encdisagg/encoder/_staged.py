@@ -33,9 +33,9 @@ class Staged:
     arena_offset: int | None = None
     #: The record's own registration of this memory, while the record holds one.
     registration: MemoryRegistration | None = None
-    #: Holds on this memory: transfers that gave up waiting may still touch it. While one
-    #: is unsettled the memory is never freed, reused or deregistered.
-    holds: list[Hold] = field(default_factory=list)
+    #: Holds on this memory (None until the first): transfers that gave up waiting may still
+    #: touch it. While one is unsettled the memory is never freed, reused or deregistered.
+    holds: list[Hold] | None = None
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -74,12 +74,15 @@ class Staged:
     @property
     def held(self) -> bool:
         """Whether a transfer may still touch this memory."""
-        return any(not hold.settled for hold in self.holds)
+        holds = self.holds
+        return holds is not None and any(not hold.settled for hold in holds)
 
     def take_hold(self, hold: Hold) -> None:
         """A transfer that gave up waiting may still touch this memory: keep the memory alive
         through ``hold`` (the arena buffer, or its own tensor and registration) until the
         hold settles. Not a checkpoint; thread-safe as far as ``hold`` goes."""
+        if self.holds is None:
+            self.holds = []
         self.holds.append(hold)
         if self.own is not None:
             hold.keep(self.own)
