@@ -14,6 +14,7 @@ from encdisagg.decode import (
     DecodeTransferQueue,
     MetadataSlotAllocator,
 )
+from encdisagg.transfer import Hold, HoldPolicy
 
 
 @dataclass
@@ -56,6 +57,17 @@ class RecordingSink:
 
 
 @dataclass
+class HoldingSink(RecordingSink):
+    """A recording sink that also learns which requests' memory is held, and by what."""
+
+    holds: dict[str, Hold] = field(default_factory=dict)
+
+    def hold(self, req: DecodeRequest, hold: Hold) -> None:
+        self.events.append(("hold", req.rid))
+        self.holds[req.rid] = hold
+
+
+@dataclass
 class SlotWatch:
     """Records each zeroing, and whether the slot was still allocated while being zeroed."""
 
@@ -94,6 +106,7 @@ class Harness:
         required_acks: int = 1,
         abort_notified: bool = False,
         generation: int | None = None,
+        pages: tuple[int, ...] = (),
     ) -> DecodeRequest:
         slot = self.slots.alloc()
         assert slot is not None
@@ -104,18 +117,32 @@ class Harness:
             required_acks,
             generation=generation,
             abort_notified=abort_notified,
+            pages=pages,
         )
         self.queue.add(req)
         return req
 
 
-def make_harness(*, slots: int = 16, release_timeout_s: float = 30.0) -> Harness:
-    sink = RecordingSink()
+def make_harness(
+    *,
+    slots: int = 16,
+    release_timeout_s: float = 30.0,
+    on_timeout: HoldPolicy | str = HoldPolicy.REUSE,
+    page_bytes: int = 0,
+    sink: RecordingSink | None = None,
+) -> Harness:
+    sink = RecordingSink() if sink is None else sink
     allocator, watch = watched_slots(slots)
     acks = AbortAckTracker()
     clock = FakeClock()
     queue = DecodeTransferQueue(
-        kv=sink, slots=allocator, acks=acks, release_timeout_s=release_timeout_s, clock=clock
+        kv=sink,
+        slots=allocator,
+        acks=acks,
+        release_timeout_s=release_timeout_s,
+        clock=clock,
+        on_timeout=on_timeout,
+        page_bytes=page_bytes,
     )
     return Harness(queue, sink, allocator, watch, acks, clock)
 

@@ -1,4 +1,5 @@
-"""A Hypothesis state machine over the synchronous decode core (rules 15-18)."""
+"""A Hypothesis state machine over the synchronous decode core (rules 15-18), run once per
+policy for a held request whose release timeout runs out (reused, or retired)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from encdisagg.decode import (
     MetadataSlotAllocator,
     PageAllocator,
 )
+from encdisagg.transfer import HoldPolicy
 
 from ._fakes import FakeClock
 
@@ -73,6 +75,9 @@ class ModelSink:
 
 
 class DecodeCoreMachine(RuleBasedStateMachine):
+    #: What the queue does with a held request once its deadline passed without every ack.
+    on_timeout = HoldPolicy.REUSE
+
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
@@ -86,6 +91,7 @@ class DecodeCoreMachine(RuleBasedStateMachine):
             acks=self.acks,
             release_timeout_s=TIMEOUT,
             clock=self.clock,
+            on_timeout=self.on_timeout,
         )
         self.requests: list[DecodeRequest] = []
         self.committed: list[DecodeRequest] = []
@@ -111,11 +117,12 @@ class DecodeCoreMachine(RuleBasedStateMachine):
         if held_at is not None:
             assert req.generation is not None
             drained = self.credited.get((req.room, req.generation), set())
-            expired = self.clock.now >= held_at + TIMEOUT
+            # Retired memory comes back only with proof; reused memory also at its deadline.
+            expired = self.clock.now >= held_at + TIMEOUT and self.on_timeout is HoldPolicy.REUSE
             if len(drained) < req.required_acks and not expired:
                 self.violations.append(
                     f"{req.rid} released with {len(drained)}/{req.required_acks} acks "
-                    f"before its deadline"
+                    f"under {self.on_timeout.value}"
                 )
         self.released.append(req.rid)
 
@@ -234,11 +241,30 @@ class DecodeCoreMachine(RuleBasedStateMachine):
     @rule()
     def resolve(self) -> None:
         before = list(self.queue.deferred)
+        retired_before = [entry.req for entry in self.queue.retired]
+        resolution = self.queue.resolve_deferred()
         released = self.queue.resolve_deferred_releases()
+        assert released == []  # the first call resolved everything due
+        released = list(resolution.released)
         event(f"resolve released {min(len(released), 2)}")
+        event(f"resolve retired {min(len(resolution.retired), 2)}")
         assert all(r.rid not in self.sink.failing for r in released)
         remaining = self.queue.deferred
         assert remaining == [r for r in before if r in remaining]
+        retired = [entry.req for entry in self.queue.retired]
+        if self.on_timeout is HoldPolicy.REUSE:
+            assert retired == []
+            assert resolution.retired == ()
+        else:
+            assert resolution.timed_out == ()
+            # Newly retired ones join the retired in hold order, behind those retired before.
+            assert retired == [
+                *(r for r in retired_before if r in retired),
+                *resolution.retired,
+            ]
+            for req in resolution.retired:
+                assert req in before
+                assert self.clock.now >= self.held_at[req.rid] + TIMEOUT
 
     # -- invariants -----------------------------------------------------------------------------
 
@@ -250,6 +276,7 @@ class DecodeCoreMachine(RuleBasedStateMachine):
     def every_request_is_in_exactly_one_place(self) -> None:
         queued = {id(r) for r in self.queue.queue}
         held = {id(r) for r in self.queue.deferred}
+        retired = {id(entry.req) for entry in self.queue.retired}
         event(f"held after pop {min(len(held), 2)}")
         committed = {id(r) for r in self.committed}
         released = set(self.released)
@@ -257,14 +284,16 @@ class DecodeCoreMachine(RuleBasedStateMachine):
             places = [
                 id(req) in queued,
                 id(req) in held,
+                id(req) in retired,
                 id(req) in committed,
                 req.rid in released,
             ]
             assert sum(places) == 1, (req.rid, places)
 
     @invariant()
-    def slots_are_held_by_exactly_the_queued_and_held_requests(self) -> None:
-        owners = [r.metadata_slot for r in [*self.queue.queue, *self.queue.deferred]]
+    def slots_are_held_by_exactly_the_queued_held_and_retired_requests(self) -> None:
+        retired = [entry.req for entry in self.queue.retired]
+        owners = [r.metadata_slot for r in [*self.queue.queue, *self.queue.deferred, *retired]]
         assert None not in owners
         allocated = [i for i in range(SLOTS) if self.slots.is_allocated(i)]
         assert sorted(owners) == allocated  # type: ignore[type-var]
@@ -281,6 +310,35 @@ class DecodeCoreMachine(RuleBasedStateMachine):
         allocated = [p for p in range(PAGES) if self.pages.is_allocated(p)]
         assert sorted(owners) == allocated
 
+    @invariant()
+    def held_and_retired_memory_is_nobody_elses(self) -> None:
+        kept = [*self.queue.deferred, *(entry.req for entry in self.queue.retired)]
+        others = [
+            r for r in self.requests if r.rid not in self.released and all(r is not k for k in kept)
+        ]
+        for req in kept:
+            assert req.metadata_slot is not None
+            assert self.slots.is_allocated(req.metadata_slot)
+            assert all(self.pages.is_allocated(page) for page in req.pages)
+            for other in others:
+                assert other.metadata_slot != req.metadata_slot, (req.rid, other.rid)
+                assert not set(other.pages) & set(req.pages), (req.rid, other.rid)
 
+    @invariant()
+    def every_held_or_retired_request_is_counted_once(self) -> None:
+        holds = {id(entry.hold) for entry in (*self.queue.held, *self.queue.retired)}
+        assert len(holds) == len(self.queue.held) + len(self.queue.retired)
+        assert {id(hold) for hold in self.queue.ledger.holds()} == holds
+        assert self.queue.retired_pages == sum(len(e.req.pages) for e in self.queue.retired)
+        assert self.queue.held_pages == sum(len(e.req.pages) for e in self.queue.held)
+
+
+class RetiringDecodeCoreMachine(DecodeCoreMachine):
+    on_timeout = HoldPolicy.RETIRE
+
+
+_SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestDecodeCore = DecodeCoreMachine.TestCase
-TestDecodeCore.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestDecodeCore.settings = _SETTINGS
+TestDecodeCoreRetiring = RetiringDecodeCoreMachine.TestCase
+TestDecodeCoreRetiring.settings = _SETTINGS

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
+from collections.abc import Callable
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import pytest
 import torch
 
@@ -23,8 +28,15 @@ from encdisagg.decode import (
     PreallocRequest,
     kv_checksum,
 )
+from encdisagg.transfer import Hold, LoopbackEngine, MemoryRegistrationState
 
 from ._fakes import CopyingEngine, FakeClock
+
+#: Both registered buffers of the decode side, made small.
+MEMORIES: dict[str, Callable[[], KVPagePool | MetadataSlotTable]] = {
+    "pages": lambda: KVPagePool(2, 16),
+    "rows": lambda: MetadataSlotTable(2),
+}
 
 
 class TestKVPagePool:
@@ -225,13 +237,145 @@ async def test_failed_deregistration_is_raised_or_noted() -> None:
     engine = CopyingEngine()
     engine.fail_deregister = True
     pool = KVPagePool(2, 16)
+    # Retried until the bound runs out, then left to the engine: never freed under it.
     with pytest.raises(TransferError, match="deregister"):
-        async with pool.registered(engine):
+        async with pool.registered(engine, close_timeout_s=0.2):
             pass
     with pytest.raises(KeyError, match="original") as caught:
-        async with pool.registered(engine):
+        async with pool.registered(engine, close_timeout_s=0.2):
             raise KeyError("original")
     assert any("deregistering" in note for note in caught.value.__notes__)
+
+
+class GatedRegisterEngine(CopyingEngine):
+    """Registration blocks (in its worker thread) until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.entered.set()
+        assert self.gate.wait(timeout=10), "the test never opened the gate"
+        super().register(ptr, nbytes)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("memory", MEMORIES)
+async def test_a_registration_cancelled_inside_the_engine_is_recorded_and_undone(
+    memory: str,
+) -> None:
+    engine = GatedRegisterEngine()
+    owner = MEMORIES[memory]()
+    entered_block = False
+
+    async def register() -> None:
+        nonlocal entered_block
+        async with owner.registered(engine):
+            entered_block = True
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(register)
+        assert await anyio.to_thread.run_sync(engine.entered.wait, 10.0)
+        group.cancel_scope.cancel()
+        # The engine registers after the caller was cancelled: that registration is not lost.
+        engine.gate.set()
+    assert not entered_block
+    assert engine.regions == {}
+    assert [call for call, _ in engine.calls] == ["register", "deregister"]
+    assert owner.registered_with is None
+    assert owner.registration is None
+
+
+@pytest.mark.anyio
+@pytest.mark.virtual_time
+@pytest.mark.parametrize("memory", MEMORIES)
+async def test_a_held_buffer_is_left_to_the_engine_at_close_and_kept_alive(memory: str) -> None:
+    engine = LoopbackEngine(name="decode")
+    owner = MEMORIES[memory]()
+    buffer = weakref.ref(owner.buffer if isinstance(owner, KVPagePool) else owner.rows)
+    hold = Hold("what a late prefill write may still reach")
+    async with owner.registered(engine) as same:
+        assert same is owner
+        registration = owner.registration
+        assert registration is not None
+        owner.hold(hold)
+        assert registration.held
+    # The default bound ran out with the hold unsettled: neither deregistered nor freed.
+    assert registration.state is MemoryRegistrationState.LEFT
+    assert engine.registered_regions() == 1
+    assert owner.registered_with is None
+    # Only the engine keeps it now (the loop lets go of the cancelled wait at a checkpoint).
+    del owner, same, registration, hold
+    await anyio.lowlevel.checkpoint()
+    gc.collect()
+    assert buffer() is not None
+    # Nothing touches memory through a closed engine: it goes.
+    engine.close()
+    gc.collect()
+    assert buffer() is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("memory", MEMORIES)
+async def test_a_held_buffer_is_not_waited_for(memory: str) -> None:
+    engine = LoopbackEngine(name="decode")
+    owner = MEMORIES[memory]()
+    # Whoever could settle the hold is gone with the block: leaving it must not wait.
+    with anyio.fail_after(5):
+        async with owner.registered(engine, close_timeout_s=3600):
+            owner.hold(Hold("retired pages"))
+            registration = owner.registration
+    assert registration is not None
+    assert registration.state is MemoryRegistrationState.LEFT
+    assert engine.registered_regions() == 1
+    engine.close()
+
+
+@pytest.mark.anyio
+async def test_a_hold_settled_before_the_block_ends_lets_the_deregistration_through() -> None:
+    engine = LoopbackEngine(name="decode")
+    pool = KVPagePool(2, 16)
+    hold = Hold("pages of an aborted request")
+    async with pool.registered(engine):
+        pool.hold(hold)
+        # The proof arrives from another thread (an engine's, a message handler's).
+        await anyio.to_thread.run_sync(hold.settle, "every rank acked")
+        registration = pool.registration
+        assert registration is not None
+        assert not registration.held
+    assert registration.state is MemoryRegistrationState.DEREGISTERED
+    assert engine.registered_regions() == 0
+    engine.close()
+
+
+@pytest.mark.anyio
+async def test_the_sink_holds_both_the_pages_and_the_rows() -> None:
+    engine = LoopbackEngine(name="decode")
+    pool, table, slots, sink = sink_setup()
+    req = make_req("r", 11, pool, slots)
+    hold = Hold("pages and row of 'r'")
+    async with pool.registered(engine), table.registered(engine):
+        sink.hold(req, hold)
+        assert pool.registration is not None
+        assert table.registration is not None
+        assert pool.registration.held
+        assert table.registration.held
+        hold.settle("every rank acked")
+        assert not pool.registration.held
+        assert not table.registration.held
+    assert engine.registered_regions() == 0
+    engine.close()
+
+
+@pytest.mark.anyio
+async def test_the_deregistration_bound_must_not_be_negative() -> None:
+    engine = CopyingEngine()
+    with pytest.raises(ValueError, match="close_timeout_s"):
+        async with KVPagePool(2, 16).registered(engine, close_timeout_s=-1):
+            pass
+    assert engine.calls == []
 
 
 def test_held_pages_are_not_reused_until_the_prefill_drained() -> None:

@@ -9,6 +9,7 @@ import pytest
 from encdisagg.pipeline import (
     DecodePhase,
     DecodeStatus,
+    DecodeWorker,
     DrainedAck,
     LanguageModel,
     PipelineRequest,
@@ -16,8 +17,9 @@ from encdisagg.pipeline import (
     PrefillStatus,
 )
 from encdisagg.pipeline._messages import DecodeMessage
+from encdisagg.transfer import HoldPolicy, LoopbackEngine
 
-from .conftest import wait_for, wired
+from .conftest import Wiring, wait_for, wired
 
 pytestmark = pytest.mark.anyio
 
@@ -79,31 +81,114 @@ async def test_an_abort_mid_write_holds_the_pages_until_prefill_acks_the_drain(
         assert stats.pages_free == stats.pages_total
 
 
+async def abort_mid_write_losing_the_ack(w: Wiring) -> tuple[float, list[DrainedAck]]:
+    """Abort ``r`` while its first page write is in flight; prefill's drained-ack is lost
+    on its way (returned, for a test to deliver late). Returns when the abort was sent."""
+    lost: list[DrainedAck] = []
+
+    def drop_acks(message: DecodeMessage) -> bool:
+        if isinstance(message, DrainedAck):
+            lost.append(message)
+            return False
+        return True
+
+    w.to_decode = drop_acks
+    w.engine.gate.clear()
+    handle = w.decode.admit("r", 1, max_new_tokens=6)
+    async with anyio.create_task_group() as group:
+        group.start_soon(w.prefill.prefill, request())
+        await wait_for(w.engine.waiting)
+        w.decode.abort("r")
+        aborted_at = anyio.current_time()
+        assert (await handle.wait()).status is DecodeStatus.ABORTED
+        w.engine.gate.set()
+    assert w.prefill.acks_sent == 1  # it was sent; the test lost it
+    return aborted_at, lost
+
+
 @pytest.mark.virtual_time
-async def test_without_the_drained_ack_the_pages_wait_for_the_timeout(
+async def test_without_the_drained_ack_reused_pages_come_back_at_the_timeout(
     reference_lm: LanguageModel,
 ) -> None:
-    async with wired(reference_lm, release_timeout_s=30.0) as w:
-
-        def drop_acks(message: DecodeMessage) -> bool:
-            return not isinstance(message, DrainedAck)
-
-        w.to_decode = drop_acks
-        w.engine.gate.clear()
-        handle = w.decode.admit("r", 1, max_new_tokens=6)
-        async with anyio.create_task_group() as group:
-            group.start_soon(w.prefill.prefill, request())
-            await wait_for(w.engine.waiting)
-            w.decode.abort("r")
-            aborted_at = anyio.current_time()
-            assert (await handle.wait()).status is DecodeStatus.ABORTED
-            w.engine.gate.set()
+    async with wired(
+        reference_lm, release_timeout_s=30.0, on_release_timeout=HoldPolicy.REUSE
+    ) as w:
+        aborted_at, _ = await abort_mid_write_losing_the_ack(w)
         with anyio.fail_after(60):
             await w.decode.wait_idle()
         assert anyio.current_time() - aborted_at == pytest.approx(30.0, abs=1.0)
         stats = w.decode.stats()
         assert (stats.drained_releases, stats.timed_out_releases) == (0, 1)
-        assert w.prefill.acks_sent == 1  # it was sent; the test lost it
+        assert (stats.retired, stats.retired_pages, stats.retirements) == (0, 0, 0)
+        assert stats.pages_free == stats.pages_total
+        assert stats.slots_free == stats.slots_total
+        assert stats.leaked_pages == 0
+
+
+@pytest.mark.virtual_time
+async def test_without_the_drained_ack_the_pages_are_retired_not_leaked(
+    reference_lm: LanguageModel,
+) -> None:
+    async with wired(reference_lm, release_timeout_s=30.0) as w:
+        assert w.decode.on_release_timeout is HoldPolicy.RETIRE
+        aborted_at, lost = await abort_mid_write_losing_the_ack(w)
+        with anyio.fail_after(60):
+            await w.decode.wait_idle()
+        assert anyio.current_time() - aborted_at == pytest.approx(30.0, abs=1.0)
+        stats = w.decode.stats()
+        assert (stats.held, stats.retired, stats.retired_pages, stats.retirements) == (0, 1, 3, 1)
+        assert (stats.drained_releases, stats.timed_out_releases) == (0, 0)
+        # Out of use, yet owned: not counted as leaked.
+        assert stats.pages_free == stats.pages_total - 3
+        assert stats.slots_free == stats.slots_total - 1
+        assert stats.leaked_pages == 0
+        assert stats.held_bytes == 3 * w.decode.page_bytes
+        # Much later, still retired: no bound gives it back.
+        await anyio.sleep(3600)
+        assert w.decode.stats().retired_pages == 3
+        # The lost ack turns up at last: proof, so the pages come back.
+        (ack,) = lost
+        w.decode.deliver(ack)
+        with anyio.fail_after(5):
+            while w.decode.stats().retired:
+                await anyio.sleep(0.01)
+        stats = w.decode.stats()
+        assert (stats.retired, stats.retired_pages, stats.drained_releases) == (0, 0, 1)
+        assert stats.pages_free == stats.pages_total
+        assert stats.slots_free == stats.slots_total
+        assert stats.held_bytes == 0
+
+
+@pytest.mark.virtual_time
+async def test_retired_pages_at_close_stay_registered_with_the_engine(
+    reference_lm: LanguageModel,
+) -> None:
+    async with wired(reference_lm, release_timeout_s=30.0) as w:
+        await abort_mid_write_losing_the_ack(w)
+        with anyio.fail_after(60):
+            await w.decode.wait_idle()
+        assert w.decode.stats().retired == 1
+        closing_at = anyio.current_time()
+    # Closing did not wait for a proof that cannot come any more, and left the pool and the
+    # table registered with their engine until it closed (the fixture checked both) rather
+    # than deregistering and freeing them.
+    assert anyio.current_time() - closing_at < 1.0
+    stats = w.decode.stats()
+    assert (stats.retired, stats.retired_pages, stats.leaked_pages) == (1, 3, 0)
+
+
+async def test_the_timeout_policy_is_retire_unless_told_and_checked_by_name(
+    reference_lm: LanguageModel,
+) -> None:
+    engine = LoopbackEngine(name="decode")
+    worker = DecodeWorker(reference_lm, engine=engine)
+    assert worker.on_release_timeout is HoldPolicy.RETIRE
+    assert worker.transfer.on_timeout is HoldPolicy.RETIRE
+    reusing = DecodeWorker(reference_lm, engine=engine, on_release_timeout="reuse")
+    assert reusing.transfer.on_timeout is HoldPolicy.REUSE
+    with pytest.raises(ValueError, match="on_release_timeout must be one of"):
+        DecodeWorker(reference_lm, engine=engine, on_release_timeout="forget")
+    engine.close()
 
 
 async def test_kv_corrupted_in_flight_is_caught_by_the_checksum(

@@ -8,7 +8,9 @@ The synchronous core (no awaits, driven by a scheduler loop or by property tests
 - :class:`AbortAckTracker`: drained-acks of aborted requests, per room and generation.
 - :class:`DecodePreallocQueue`: admission to pages and a slot, in order.
 - :class:`DecodeTransferQueue`: one-pass compaction of transferred requests, and deferred
-  release of aborted ones until their prefill ranks drained.
+  release of aborted ones until their prefill ranks drained (:class:`HeldRelease`); its
+  ``on_timeout`` policy says what becomes of one whose acks did not come in time: reused, or
+  retired (:class:`DeferredResolution` reports which).
 - :class:`DecodeBatchScheduler`: continuous batching over landed KV (prebuilt batches,
   metadata slots held until a draft state is consumed, retraction and resume).
 
@@ -17,9 +19,8 @@ Memory: :class:`KVPagePool` (pages in one registered buffer), :class:`MetadataSl
 :class:`DraftLayout` (a draft state in a row's extra words), :class:`PagedKVBackup`
 (retraction's copies).
 
-The async shell: :class:`DecodeKVLeases` hands out :class:`KVLease` scopes whose exit waits,
-shielded and bounded, for the drained-acks fed in through :meth:`DecodeKVLeases.ack`;
-:func:`run_decode_step` runs one batched step of a :class:`DecodeBatchScheduler`.
+The async shell: :func:`run_decode_step` runs one batched step of a
+:class:`DecodeBatchScheduler` (:func:`run_decode_step_inline` on the loop's own thread).
 """
 
 from types import FunctionType as _FunctionType
@@ -38,13 +39,7 @@ from ._batching import (
     RunningRequest as RunningRequest,
 )
 from ._draft import DraftLayout as DraftLayout, DraftState as DraftState
-from ._drain import DrainAcks as DrainAcks
-from ._leases import (
-    AbortSender as AbortSender,
-    DecodeKVLeases as DecodeKVLeases,
-    KVLease as KVLease,
-    LeaseState as LeaseState,
-)
+from ._held import DeferredResolution as DeferredResolution, HeldRelease as HeldRelease
 from ._pages import PageAllocator as PageAllocator, PageSource as PageSource
 from ._poll import KVPoll as KVPoll
 from ._pool import (
@@ -65,7 +60,6 @@ from ._transfer import (
     CommitStatus as CommitStatus,
     DecodeRequest as DecodeRequest,
     DecodeTransferQueue as DecodeTransferQueue,
-    HeldRelease as HeldRelease,
     KVSink as KVSink,
 )
 
@@ -81,6 +75,7 @@ __all__ = (
     "CommitStatus",
     "KVSink",
     "HeldRelease",
+    "DeferredResolution",
     "DecodeTransferQueue",
     "PreallocRequest",
     "ResumePass",
@@ -103,11 +98,6 @@ __all__ = (
     # async shell
     "run_decode_step",
     "run_decode_step_inline",
-    "DrainAcks",
-    "DecodeKVLeases",
-    "KVLease",
-    "LeaseState",
-    "AbortSender",
 )
 
 for _name in __all__:

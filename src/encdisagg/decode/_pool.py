@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-import anyio
+import anyio.lowlevel
 import torch
 
-from .._errors import InternalError
-from ..nurseries import run_thread_to_completion
+from .._errors import InternalError, TransferError
+from ..transfer import Hold, MemoryRegistration, MemoryRegistrationState
 from ._pages import PageAllocator
 from ._slots import MetadataRow
 from ._transfer import CommitStatus, DecodeRequest
@@ -30,46 +30,89 @@ __all__ = ["KVPagePool", "MetadataSlotTable", "PagedKVSink", "kv_checksum"]
 _log = logging.getLogger("encdisagg.decode")
 
 
-class _Registration:
-    """Registers one fixed memory region with an engine, at most once at a time."""
+#: How long leaving a ``registered`` block tries to deregister by default; past it the
+#: registration is left to the engine.
+CLOSE_TIMEOUT_S = 10.0
 
-    __slots__ = ("_engine", "_name")
 
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._engine: TransferEngine | None = None
+class _Registered:
+    """One buffer's registration with an engine, at most one at a time (a
+    :class:`~encdisagg.transfer.MemoryRegistration` per ``registered`` block)."""
+
+    __slots__ = ("_keepalive", "_registration", "_what")
+
+    def __init__(self, what: str, keepalive: torch.Tensor) -> None:
+        self._what = what
+        self._keepalive = keepalive
+        self._registration: MemoryRegistration | None = None
+
+    @property
+    def registration(self) -> MemoryRegistration | None:
+        return self._registration
 
     @property
     def engine(self) -> TransferEngine | None:
-        return self._engine
+        registration = self._registration
+        if registration is None or not registration.registered:
+            return None
+        return registration.engine
+
+    def hold(self, hold: Hold) -> None:
+        """Keep the buffer registered (and alive) until ``hold`` settles, while registered;
+        held memory is never deregistered or freed under a late write."""
+        registration = self._registration
+        if registration is not None:
+            registration.hold(hold)
 
     @asynccontextmanager
-    async def hold(self, engine: TransferEngine, ptr: int, nbytes: int) -> AsyncIterator[None]:
-        if self._engine is not None:
-            raise InternalError(f"{self._name} is registered already")
-        # Registration and deregistration block (they pin memory, talk to the NIC): run them
-        # in worker threads that are never abandoned, so a cancelled caller cannot leave a
-        # registration behind or deregister while the engine still works on it.
-        await run_thread_to_completion(engine.register, ptr, nbytes)
-        self._engine = engine
+    async def block(self, engine: TransferEngine, close_timeout_s: float) -> AsyncIterator[None]:
+        if not close_timeout_s >= 0:
+            raise ValueError(f"close_timeout_s must be >= 0, got {close_timeout_s!r}")
+        if self._registration is not None:
+            raise InternalError(f"{self._what} is registered already")
+        buffer = self._keepalive
+        registration = MemoryRegistration(
+            engine, int(buffer.data_ptr()), buffer.nbytes, buffer, what=self._what
+        )
+        self._registration = registration
         failed: BaseException | None = None
         try:
+            # A caller cancelled while the engine registers returns once the engine did,
+            # the registration it made recorded: the finally below undoes it.
+            await registration.open()
             yield
         except BaseException as exc:
             failed = exc
             raise
         finally:
-            self._engine = None
-            # Shielded and not bounded: giving up on a deregistration would leave the engine
-            # pointing at memory that is about to be freed.
-            with anyio.CancelScope(shield=True):
-                try:
-                    await run_thread_to_completion(engine.deregister, ptr)
-                except Exception as exc:
-                    if failed is None:
-                        raise
-                    _log.error("deregistering %s failed", self._name, exc_info=exc)
-                    failed.add_note(f"deregistering {self._name} also failed: {exc!r}")
+            self._registration = None
+            await _close(registration, close_timeout_s, failed)
+
+
+async def _close(
+    registration: MemoryRegistration, timeout_s: float, failed: BaseException | None
+) -> None:
+    """Deregister, shielded and bounded; a held buffer is left to the engine at once, since
+    whoever could have settled its holds is gone with the block. A deregistration that kept
+    failing (left to the engine too, by ``close``) is raised as a :class:`TransferError`, or
+    noted on ``failed``, the error the block raised."""
+    if registration.state is not MemoryRegistrationState.REGISTERED:
+        # Never registered (the engine refused), or left to the engine inside the block.
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        return
+    if registration.held:
+        registration.leave("a write may still land in it: it is held")
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        return
+    if await registration.close(timeout_s=timeout_s):
+        return
+    message = (
+        f"deregistering {registration.what} failed (the engine's error is logged); "
+        "it is left registered with its engine"
+    )
+    if failed is None:
+        raise TransferError(message)
+    failed.add_note(message)
 
 
 def kv_checksum(chunks: Iterable[torch.Tensor]) -> int:
@@ -114,7 +157,7 @@ class KVPagePool:
         self.page_bytes = page_bytes
         self._page_elems = page_bytes // itemsize
         self.buffer = torch.zeros(num_pages * self._page_elems, dtype=dtype, device=device)
-        self._registration = _Registration(f"KV page pool ({num_pages} x {page_bytes} B)")
+        self._registered = _Registered(f"KV page pool ({num_pages} x {page_bytes} B)", self.buffer)
 
     # -- allocation: synchronous ---------------------------------------------------------------
 
@@ -173,22 +216,45 @@ class KVPagePool:
 
     @property
     def registered_with(self) -> TransferEngine | None:
-        """The engine the buffer is registered with right now, if any."""
-        return self._registration.engine
+        """The engine the buffer is registered with by a ``registered`` block, if any."""
+        return self._registered.engine
+
+    @property
+    def registration(self) -> MemoryRegistration | None:
+        """The buffer's registration while a ``registered`` block runs."""
+        return self._registered.registration
+
+    def hold(self, hold: Hold) -> None:
+        """A prefill write may still land in some pages until ``hold`` settles: while the
+        buffer is registered, it is not deregistered before that, and ``hold`` keeps it
+        alive. Not a checkpoint; thread-safe."""
+        self._registered.hold(hold)
 
     @asynccontextmanager
-    async def registered(self, engine: TransferEngine) -> AsyncIterator[KVPagePool]:
+    async def registered(
+        self, engine: TransferEngine, *, close_timeout_s: float = CLOSE_TIMEOUT_S
+    ) -> AsyncIterator[KVPagePool]:
         """Register the whole buffer with ``engine`` for the duration of the block.
 
-        Registration runs in a worker thread (a checkpoint; a cancelled caller returns once
-        the engine call is over, and then deregisters). Deregistration on exit is shielded
-        and waits for the engine. A failed deregistration raises
-        :class:`~encdisagg.TransferError` (the engine's), or is attached as a note to the
-        error the block raised.
+        Registering is a checkpoint (in a worker thread for a blocking engine); a caller
+        cancelled meanwhile returns once the engine call is over, and the registration it
+        made is deregistered. Leaving the block is shielded and a checkpoint:
+
+        - a buffer no hold is on (:meth:`hold`) is deregistered, a failed attempt retried
+          for ``close_timeout_s`` at most (10 s by default); past that bound it is left to
+          the engine and :class:`~encdisagg.TransferError` is raised (the engine's error is
+          logged), or attached as a note to the error the block raised;
+        - a buffer still held is not waited for (settle the holds that may still settle
+          before leaving the block) but left to the engine at once.
+
+        Memory left to the engine stays registered and alive until the engine closes (for
+        an engine that cannot say when, for the life of the process), and is logged: it is
+        never deregistered or freed under a write that may still land.
 
         :raises InternalError: if the pool is registered already.
+        :raises ValueError: for a negative ``close_timeout_s``.
         """
-        async with self._registration.hold(engine, self.ptr, self.nbytes):
+        async with self._registered.block(engine, close_timeout_s):
             yield self
 
 
@@ -218,7 +284,7 @@ class MetadataSlotTable:
         self.size = size
         self.extra_words = extra_words
         self.rows = torch.zeros((size, _ROW_WORDS + extra_words), dtype=torch.int64, device=device)
-        self._registration = _Registration(f"metadata slot table ({size} rows)")
+        self._registered = _Registered(f"metadata slot table ({size} rows)", self.rows)
 
     @property
     def row_bytes(self) -> int:
@@ -282,12 +348,23 @@ class MetadataSlotTable:
 
     @property
     def registered_with(self) -> TransferEngine | None:
-        return self._registration.engine
+        return self._registered.engine
+
+    @property
+    def registration(self) -> MemoryRegistration | None:
+        """The table's registration while a ``registered`` block runs."""
+        return self._registered.registration
+
+    def hold(self, hold: Hold) -> None:
+        """See :meth:`KVPagePool.hold`: a late write may still land in some rows."""
+        self._registered.hold(hold)
 
     @asynccontextmanager
-    async def registered(self, engine: TransferEngine) -> AsyncIterator[MetadataSlotTable]:
+    async def registered(
+        self, engine: TransferEngine, *, close_timeout_s: float = CLOSE_TIMEOUT_S
+    ) -> AsyncIterator[MetadataSlotTable]:
         """Register the table with ``engine`` for the block; see :meth:`KVPagePool.registered`."""
-        async with self._registration.hold(engine, self.ptr, self.nbytes):
+        async with self._registered.block(engine, close_timeout_s):
             yield self
 
 
@@ -300,6 +377,8 @@ class PagedKVSink:
     - ``release`` frees the request's pages and empties ``req.pages``, so the same pages are
       never freed twice through this request.
     - ``abort`` calls ``on_abort`` (or logs).
+    - ``hold`` (a held request: a late write may still land) puts the hold on both the
+      pool's and the table's registration, so neither is deregistered before it settles.
 
     Rooms must be non-zero: ``0`` is the "not landed" tag.
     """
@@ -331,6 +410,10 @@ class PagedKVSink:
     def release(self, req: DecodeRequest) -> None:
         pages, req.pages = req.pages, ()
         self.pool.free(pages)
+
+    def hold(self, req: DecodeRequest, hold: Hold) -> None:
+        self.pool.hold(hold)
+        self.table.hold(hold)
 
     def abort(self, req: DecodeRequest, message: str) -> None:
         if self._on_abort is not None:

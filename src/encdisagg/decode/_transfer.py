@@ -7,6 +7,7 @@ an event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._errors import InternalError
+from ..transfer import HeldLedger, Hold, HoldPolicy
 from ._acks import AbortAckTracker
+from ._held import DeferredResolution, HeldRelease, hold_for, log_retired, log_reused
 from ._poll import KVPoll
 from ._slots import MetadataRow, MetadataSlotAllocator
 
@@ -23,7 +26,6 @@ __all__ = [
     "CommitStatus",
     "DecodeRequest",
     "DecodeTransferQueue",
-    "HeldRelease",
     "KVSink",
 ]
 
@@ -71,7 +73,12 @@ class DecodeRequest:
 
 
 class KVSink(Protocol):
-    """Where a :class:`DecodeTransferQueue` hands requests' KV. All calls are synchronous."""
+    """Where a :class:`DecodeTransferQueue` hands requests' KV. All calls are synchronous.
+
+    A sink may also have ``hold(req, hold)``: the queue calls it when it holds ``req`` (a
+    prefill write may still land in its pages and slot until ``hold`` settles), so the sink
+    can keep that memory registered and alive through the hold (:class:`PagedKVSink` does).
+    """
 
     def commit(self, req: DecodeRequest) -> CommitStatus:
         """Validate the landed KV and metadata of ``req`` and adopt them for decoding."""
@@ -86,19 +93,7 @@ class KVSink(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class HeldRelease:
-    """A failed request whose pages are held until its prefill ranks drained."""
-
-    req: DecodeRequest
-    #: The generation whose acks release it.
-    generation: int
-    #: Distinct ranks that must ack, fixed when it was held.
-    required_acks: int
-    #: Clock reading when it was held.
-    held_at: float
-    #: Clock reading after which it is released even without all acks.
-    deadline: float
+_NOTHING_RESOLVED = DeferredResolution()
 
 
 class DecodeTransferQueue:
@@ -108,8 +103,22 @@ class DecodeTransferQueue:
     :param slots: the metadata slots; each request's slot is freed here, exactly once. Give
         the allocator a ``zero_slot`` hook so each slot is zeroed before it is freed.
     :param acks: drained-acks of aborted requests.
-    :param release_timeout_s: how long a held request waits for its acks at most.
+    :param release_timeout_s: how long a held request waits for its acks before
+        ``on_timeout`` decides what becomes of it.
     :param clock: the time source for hold deadlines (seconds, monotonic).
+    :param on_timeout: what becomes of a held request whose deadline passed without every
+        ack: :attr:`HoldPolicy.REUSE` (the default, SGLang's behaviour) releases its pages
+        and slot, and a late write may land in another request's memory;
+        :attr:`HoldPolicy.RETIRE` *retires* it: its pages and slot stay out of use (neither
+        released nor freed, counted in :attr:`retired`) until a complete set of acks for its
+        generation arrives after all, or for good. A policy's name (``"retire"``) works too.
+    :param page_bytes: bytes per KV page, so that :attr:`held_bytes` counts bytes; with the
+        default ``0`` the holds count pages only (:attr:`held_pages`, :attr:`retired_pages`).
+
+    **Holds.** Each held request carries a :class:`~encdisagg.transfer.Hold`
+    (:attr:`HeldRelease.hold`), counted in :attr:`ledger` with ``len(req.pages) *
+    page_bytes`` bytes and logged once, and handed to the sink's ``hold`` if it has one. Its
+    acks settle it; so does ``REUSE`` at the deadline, by policy; nothing else does.
 
     **Who arms.** The code that sends the abort to the prefill ranks arms the room first
     (``req.generation = acks.arm(req.room)``), puts the generation into the abort message,
@@ -129,18 +138,26 @@ class DecodeTransferQueue:
         acks: AbortAckTracker,
         release_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        on_timeout: HoldPolicy | str = HoldPolicy.REUSE,
+        page_bytes: int = 0,
     ) -> None:
         if not release_timeout_s >= 0:
             raise ValueError(f"release_timeout_s must be >= 0, got {release_timeout_s!r}")
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes < 0:
+            raise ValueError(f"page_bytes must be a non-negative integer, got {page_bytes!r}")
         self.kv = kv
         self.slots = slots
         self.acks = acks
         self.release_timeout_s = release_timeout_s
+        self.on_timeout = HoldPolicy.parse(on_timeout, field="on_timeout")
+        self.page_bytes = page_bytes
         self._clock = clock
         #: Requests whose transfer is pending, in arrival order.
         self.queue: list[DecodeRequest] = []
-        # Held entries in the order they were held.
-        self._held: list[HeldRelease] = []
+        #: The holds of the held and retired requests: how many, and their bytes.
+        self.ledger = HeldLedger("decode KV")
+        # Held and retired entries, in the order they were held.
+        self._entries: list[HeldRelease] = []
         #: How many ``kv.release`` calls raised (each logged, none retried).
         self.release_failures = 0
 
@@ -148,17 +165,42 @@ class DecodeTransferQueue:
 
     @property
     def deferred(self) -> list[DecodeRequest]:
-        """The held requests, oldest first (a snapshot)."""
-        return [entry.req for entry in self._held]
+        """The held requests still waiting for their acks or deadline, oldest first (a
+        snapshot; retired ones are in :attr:`retired`)."""
+        return [entry.req for entry in self._entries if entry.retired_at is None]
 
     @property
     def held(self) -> tuple[HeldRelease, ...]:
-        """The held entries with their generations and deadlines, oldest first."""
-        return tuple(self._held)
+        """The entries of :attr:`deferred`, with their generations and deadlines."""
+        return tuple(entry for entry in self._entries if entry.retired_at is None)
+
+    @property
+    def retired(self) -> tuple[HeldRelease, ...]:
+        """The retired entries, oldest first: their pages and slots are out of use until
+        their acks arrive (``HoldPolicy.RETIRE`` only)."""
+        return tuple(entry for entry in self._entries if entry.retired_at is not None)
+
+    @property
+    def held_pages(self) -> int:
+        """Pages of the requests in :attr:`deferred`."""
+        return sum(len(entry.req.pages) for entry in self._entries if entry.retired_at is None)
+
+    @property
+    def retired_pages(self) -> int:
+        """Pages of the retired requests."""
+        return sum(len(e.req.pages) for e in self._entries if e.retired_at is not None)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the held and retired requests' pages (``page_bytes`` per page)."""
+        return self.ledger.held_bytes
 
     def next_deadline(self) -> float | None:
-        """The earliest hold deadline, or ``None`` if nothing is held."""
-        return min((entry.deadline for entry in self._held), default=None)
+        """The earliest deadline of a held request, or ``None`` if none waits for one."""
+        return min(
+            (entry.deadline for entry in self._entries if entry.retired_at is None),
+            default=None,
+        )
 
     # -- decisions -----------------------------------------------------------------------------
 
@@ -235,51 +277,81 @@ class DecodeTransferQueue:
         return transferred
 
     def resolve_deferred_releases(self) -> list[DecodeRequest]:
-        """Release every held request that is drained or past its deadline.
+        """Release every held request that is drained, or past its deadline under ``REUSE``.
 
         A held request is released once ``required_acks`` distinct ranks acked its
-        generation, or once ``release_timeout_s`` passed since it was held (logged as a
-        warning: the pages are reused although a write might still land). Releasing calls
-        ``kv.release``, zeroes and frees the metadata slot, and clears the room's acks. A
-        ``kv.release`` that raises is logged and its entry dropped, never retried (the pages
-        may be half freed; freeing again could free someone else's); the others still
-        resolve.
+        generation; past its deadline (``release_timeout_s`` after it was held) without
+        them, ``on_timeout`` decides: ``REUSE`` releases it (logged as a warning: the pages
+        are reused although a write might still land), ``RETIRE`` retires it (logged once
+        as an error; see :meth:`resolve_deferred`, which also reports the retired).
+        Releasing calls ``kv.release``, zeroes and frees the metadata slot, and clears the
+        room's acks. A ``kv.release`` that raises is logged and its entry dropped, never
+        retried (the pages may be half freed; freeing again could free someone else's); the
+        others still resolve. Not a checkpoint.
 
         :return: the requests released without error, in the order they were held.
         """
-        if not self._held:
-            return []
+        return list(self.resolve_deferred().released)
+
+    def resolve_deferred(self) -> DeferredResolution:
+        """:meth:`resolve_deferred_releases`, reporting what became of each entry it
+        resolved: released drained, released at its deadline, retired, or failed to
+        release. A retired entry is reported once, when it is retired; a later complete
+        set of acks for its generation releases it (reported as drained), and nothing else
+        does. Not a checkpoint."""
+        if not self._entries:
+            return _NOTHING_RESOLVED
         now = self._clock()
         due: list[tuple[HeldRelease, bool]] = []
         keep: list[HeldRelease] = []
-        for entry in self._held:
+        retiring: list[HeldRelease] = []
+        for entry in self._entries:
             drained = self.acks.is_release_safe(
                 entry.req.room, entry.required_acks, generation=entry.generation
             )
-            if drained or now >= entry.deadline:
-                due.append((entry, drained))
-            else:
+            if drained:
+                due.append((entry, True))
+            elif entry.retired_at is not None or now < entry.deadline:
                 keep.append(entry)
+            elif self.on_timeout is HoldPolicy.RETIRE:
+                retired = dataclasses.replace(entry, retired_at=now)
+                keep.append(retired)
+                retiring.append(retired)
+            else:
+                due.append((entry, False))
         # Commit the survivors before releasing anything: whatever a release does, no
         # entry can be released twice.
-        self._held = keep
+        self._entries = keep
+        for entry in retiring:
+            log_retired(entry, self._acked(entry), now)
+        drained_reqs: list[DecodeRequest] = []
+        timed_out: list[DecodeRequest] = []
         released: list[DecodeRequest] = []
+        failed: list[DecodeRequest] = []
         for entry, drained in due:
-            if not drained:
-                _log.warning(
-                    "releasing KV of request %r (room %d) after %.1f s with %d of %d "
-                    "drained-acks: a late write could still land",
-                    entry.req.rid,
-                    entry.req.room,
-                    now - entry.held_at,
-                    len(self.acks.acked_ranks(entry.req.room))
-                    if self.acks.generation(entry.req.room) == entry.generation
-                    else 0,
-                    entry.required_acks,
+            if drained:
+                entry.hold.settle(
+                    f"{entry.required_acks} prefill ranks acked the drain of generation "
+                    f"{entry.generation}"
+                )
+            else:
+                log_reused(entry, self._acked(entry), now)
+                entry.hold.settle(
+                    "its release timeout ran out: given back to use by policy "
+                    "(on_timeout=reuse), a late write may still land"
                 )
             if self._release(entry.req):
+                (drained_reqs if drained else timed_out).append(entry.req)
                 released.append(entry.req)
-        return released
+            else:
+                failed.append(entry.req)
+        return DeferredResolution(
+            drained=tuple(drained_reqs),
+            timed_out=tuple(timed_out),
+            retired=tuple(entry.req for entry in retiring),
+            failed=tuple(failed),
+            released=tuple(released),
+        )
 
     def free_metadata(self, req: DecodeRequest) -> bool:
         """Zero and free the metadata slot ``req`` still holds, and drop its draft state.
@@ -301,20 +373,42 @@ class DecodeTransferQueue:
             generation = self._adopt_or_arm(req.room)
             req.generation = generation
         now = self._clock()
-        self._held.append(
+        hold = hold_for(req, generation, self.page_bytes)
+        self._entries.append(
             HeldRelease(
                 req=req,
                 generation=generation,
                 required_acks=req.required_acks,
                 held_at=now,
                 deadline=now + self.release_timeout_s,
+                hold=hold,
             )
         )
+        self.ledger.add(hold)
+        self._tell_sink(req, hold)
+
+    def _tell_sink(self, req: DecodeRequest, hold: Hold) -> None:
+        hold_kv: Callable[[DecodeRequest, Hold], object] | None = getattr(self.kv, "hold", None)
+        if hold_kv is None:
+            return
+        try:
+            hold_kv(req, hold)
+        except Exception:
+            # The entry stays held and counted here whatever the sink did with the news.
+            _log.exception("telling the KV sink that request %r is held raised", req.rid)
+
+    def _acked(self, entry: HeldRelease) -> int:
+        """How many ranks acked the entry's generation so far."""
+        room = entry.req.room
+        if self.acks.generation(room) != entry.generation:
+            return 0
+        return len(self.acks.acked_ranks(room))
 
     def _adopt_or_arm(self, room: int) -> int:
         current = self.acks.generation(room)
+        # Retired entries own their generation too: their acks may still come.
         if current is not None and not any(
-            entry.req.room == room and entry.generation == current for entry in self._held
+            entry.req.room == room and entry.generation == current for entry in self._entries
         ):
             return current
         _log.warning(

@@ -3,8 +3,6 @@
 Free of torch, ZMQ and HTTP; each block is tested on its own, on asyncio and on Trio.
 
 - :func:`run_thread_to_completion`: a worker-thread call that is never abandoned.
-- :class:`OwningScope` / :func:`open_owning_scope`: a task group that owns one resource and
-  releases it exactly once, after all its work ended.
 - :class:`KeyedRendezvous`: bounded waits for a key to be published, built on
   :class:`KeyedWakeups` (tasks parked per key until synchronous code wakes it).
 - :class:`ServiceTaskGroup`: background tasks whose failures are always observed.
@@ -21,13 +19,6 @@ from ._exception_groups import (
     leaf_exceptions as leaf_exceptions,
     sole_error as sole_error,
 )
-from ._owning import (
-    OwningScope as OwningScope,
-    ReleaseFailedError as ReleaseFailedError,
-    ScopeClosedError as ScopeClosedError,
-    ScopeState as ScopeState,
-    open_owning_scope as open_owning_scope,
-)
 from ._rendezvous import KeyedRendezvous as KeyedRendezvous, KeyRemovedError as KeyRemovedError
 from ._services import FailurePolicy as FailurePolicy, ServiceTaskGroup as ServiceTaskGroup
 from ._thread_event import ThreadSafeEvent as ThreadSafeEvent
@@ -39,11 +30,6 @@ __all__ = (
     "ThreadSafeEvent",
     "loop_clock",
     "loop_checkpoint",
-    "OwningScope",
-    "ScopeState",
-    "ScopeClosedError",
-    "ReleaseFailedError",
-    "open_owning_scope",
     "KeyedRendezvous",
     "KeyRemovedError",
     "KeyedWakeups",

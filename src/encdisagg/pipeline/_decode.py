@@ -9,7 +9,9 @@ batched decode step of every running request over the paged KV (the model in a w
 thread, or inline when its steps are that short: ``LanguageModel.blocking_steps``), and loops
 while any request runs. A request's pages are freed when it finishes. An
 aborted request whose pages were handed out is held by the transfer queue until prefill's
-drained-ack for that abort's generation arrives, or ``release_timeout_s`` passes.
+drained-ack for that abort's generation arrives; if ``release_timeout_s`` passes first, the
+worker's ``on_release_timeout`` policy decides: retire its pages and slot (the default: out
+of use until that ack arrives after all) or reuse them (SGLang's behaviour).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from .. import _tracing
 from .._errors import ServiceUnavailableError
 from ..decode import DecodeBatch, run_decode_step, run_decode_step_inline
+from ..transfer import HoldPolicy
 from ._decode_sched import DecodeScheduler
 from ._decode_types import DecodeJob, DecodePhase, DecodeResult, DecodeStats
 from ._lm import LanguageModel
@@ -92,8 +95,10 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
     ``async with DecodeWorker(lm, engine=...) as decode:`` registers the KV page pool and the
     metadata table with ``engine`` and starts the scheduler. Connect it to a prefill worker
     (:meth:`connect`) before the first request. Leaving the block aborts what is still live,
-    waits (shielded, bounded by ``release_timeout_s``) until every page is back, then
-    deregisters.
+    waits (shielded, bounded by ``release_timeout_s``) until every page is back or retired,
+    then deregisters. While a request is still held or retired then, a prefill write may
+    still land in the pool and the table: neither is deregistered nor freed, both are left
+    to ``engine`` (registered and alive until it closes), and this is logged.
 
     :param lm: the language model (its own instance: decode and prefill never share one).
     :param engine: the transfer engine prefill writes through (Loopback or Mooncake).
@@ -101,7 +106,12 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
     :param page_tokens: tokens of KV per page.
     :param metadata_slots: metadata rows (requests in flight at most).
     :param release_timeout_s: how long an aborted request's pages wait for prefill's
-        drained-ack at most.
+        drained-ack before ``on_release_timeout`` applies.
+    :param on_release_timeout: what becomes of an aborted request whose drained-ack did not
+        come within ``release_timeout_s``: :attr:`HoldPolicy.RETIRE` (the default) keeps its
+        pages and metadata slot out of use until the ack arrives after all, or for good
+        (``DecodeStats.retired_pages``); :attr:`HoldPolicy.REUSE` gives them back, as SGLang
+        does, and a late write may then land in another request's KV. A name works too.
     :param max_running: requests decoded together in one batched step at most.
     :param step_burst_s: with steps run inline (``lm.blocking_steps`` false), how long the
         worker steps back to back before it lets the event loop's other tasks run: longer
@@ -117,12 +127,14 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         page_tokens: int = 16,
         metadata_slots: int = 64,
         release_timeout_s: float = 30.0,
+        on_release_timeout: HoldPolicy | str = HoldPolicy.RETIRE,
         max_running: int = 64,
         step_burst_s: float = 0.005,
     ) -> None:
         self.lm = lm
         self.engine = engine
         self.page_bytes = page_tokens * lm.kv_bytes_per_token
+        self.on_release_timeout = HoldPolicy.parse(on_release_timeout, field="on_release_timeout")
         scheduler = DecodeScheduler(
             kv_bytes_per_token=lm.kv_bytes_per_token,
             engine=engine,
@@ -130,6 +142,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
             num_pages=num_pages,
             metadata_slots=metadata_slots,
             release_timeout_s=release_timeout_s,
+            on_release_timeout=self.on_release_timeout,
             draft_layout=lm.draft_layout,
             max_running=max_running,
             eos_token_ids=lm.eos_token_ids,
@@ -187,7 +200,9 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         return await self.admit(rid, room, max_new_tokens=max_new_tokens).wait()
 
     async def wait_idle(self) -> None:
-        """Wait until no request is live and every page is back (held ones included).
+        """Wait until no request is live and every page is back (held ones included), but
+        those of retired requests (``DecodeStats.retired_pages``), which only their late
+        acks bring back.
 
         A checkpoint; unbounded: put it under a deadline.
         """
@@ -225,6 +240,9 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
     async def __asynccontextmanager__(self) -> AsyncGenerator[DecodeWorker]:
         if self._open:
             raise RuntimeError("a DecodeWorker is entered once at a time")
+        # Held and retired requests keep holds on the pool and the table (the sink puts them
+        # there): leaving these blocks then leaves both to the engine, neither deregistered
+        # nor freed under a prefill write that may still land.
         async with (
             self.pool.registered(self.engine),
             self.table.registered(self.engine),
@@ -239,8 +257,8 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
                 self._open = False
                 for rid in list(self._scheduler.jobs):
                     self.abort(rid)
-                # Keep scheduling until every page is back: held pages wait for their acks
-                # (or their deadline), aborted running requests for the step they are in.
+                # Keep scheduling until every page is back or retired: held pages wait for
+                # their acks (or their deadline), aborted running requests for their step.
                 with anyio.move_on_after(self.release_timeout_s + 5.0, shield=True):
                     await self.wait_idle()
                 if not self._scheduler.is_idle():

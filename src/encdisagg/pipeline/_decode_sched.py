@@ -49,7 +49,7 @@ from ._messages import (
 from ._rows import ROPE_DELTA_WORD, SEQ_LEN_WORD
 
 if TYPE_CHECKING:
-    from ..transfer import TransferEngine
+    from ..transfer import HoldPolicy, TransferEngine
 
 __all__ = ["DecodeScheduler"]
 
@@ -88,6 +88,8 @@ class DecodeScheduler:
 
     :param kv_bytes_per_token: KV bytes one prompt token takes (sizes a request's pages).
     :param engine: the engine the pages are registered with (its session goes to prefill).
+    :param on_release_timeout: what the transfer queue does with an aborted request whose
+        drained-ack did not come within ``release_timeout_s`` (its ``on_timeout``).
     :param draft_layout: where prefill's draft state sits in a metadata row.
     :param max_running: requests in the running batch at most.
     :param eos_token_ids: tokens that end a request.
@@ -102,6 +104,7 @@ class DecodeScheduler:
         num_pages: int,
         metadata_slots: int,
         release_timeout_s: float,
+        on_release_timeout: HoldPolicy,
         draft_layout: DraftLayout,
         max_running: int,
         eos_token_ids: frozenset[int] = frozenset(),
@@ -123,6 +126,8 @@ class DecodeScheduler:
             acks=self.acks,
             release_timeout_s=release_timeout_s,
             clock=anyio.current_time,
+            on_timeout=on_release_timeout,
+            page_bytes=page_bytes,
         )
         self.batcher = DecodeBatchScheduler(
             transfer=self.transfer,
@@ -148,6 +153,7 @@ class DecodeScheduler:
         self._held_releases = 0
         self._drained = 0
         self._timed_out = 0
+        self._retirements = 0
 
     # -- wiring ------------------------------------------------------------------------------
 
@@ -207,6 +213,8 @@ class DecodeScheduler:
         self.poke()
 
     def is_idle(self) -> bool:
+        """Whether nothing is left to do: retired requests are no work (only their acks,
+        which may never come, release them)."""
         return not (
             self.jobs
             or self.prealloc.queue
@@ -217,19 +225,19 @@ class DecodeScheduler:
 
     def stats(self) -> DecodeStats:
         pool_free = self.pool.available()
-        held = len(self.transfer.deferred)
+        transfer = self.transfer
         in_use = self.pool.num_pages - pool_free
-        # Pages owned by live work: queued, held, or decoding.
-        owned = sum(len(r.pages) for r in self.transfer.queue) + sum(
-            len(r.pages) for r in self.transfer.deferred
-        )
+        held_pages = transfer.held_pages
+        retired_pages = transfer.retired_pages
+        # Pages owned by live work (queued, held, or decoding) and by retired requests.
+        owned = sum(len(r.pages) for r in transfer.queue) + held_pages + retired_pages
         batcher = self.batcher
         owned += batcher.owned_pages()
         return DecodeStats(
             live=len(self.jobs),
             prealloc_queued=len(self.prealloc.queue),
-            transfer_queued=len(self.transfer.queue),
-            held=held,
+            transfer_queued=len(transfer.queue),
+            held=len(transfer.held),
             decoding=len(batcher.running) + len(batcher.waiting) + len(batcher.retracted),
             leaked_pages=max(0, in_use - owned),
             pages_free=pool_free,
@@ -250,6 +258,11 @@ class DecodeScheduler:
             draft_mismatches=self.draft_mismatches,
             step_seconds=self.step_seconds,
             step_tokens=self.step_tokens,
+            held_pages=held_pages,
+            retired=len(transfer.retired),
+            retired_pages=retired_pages,
+            retirements=self._retirements,
+            held_bytes=transfer.held_bytes,
         )
 
     # -- one pass ----------------------------------------------------------------------------
@@ -322,15 +335,10 @@ class DecodeScheduler:
                 self.finish(job, DecodeStatus.COMPLETED, tokens=tokens)
 
     def _resolve_held(self) -> None:
-        held = {id(entry.req): entry.deadline for entry in self.transfer.held}
-        if not held:
-            return
-        now = anyio.current_time()
-        for req in self.transfer.resolve_deferred_releases():
-            if now < held[id(req)]:
-                self._drained += 1
-            else:
-                self._timed_out += 1
+        resolution = self.transfer.resolve_deferred()
+        self._drained += len(resolution.drained)
+        self._timed_out += len(resolution.timed_out)
+        self._retirements += len(resolution.retired)
 
     def _handle(self, message: DecodeMessage) -> None:
         if isinstance(message, DrainedAck):

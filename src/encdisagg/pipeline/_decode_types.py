@@ -56,9 +56,11 @@ class DecodeResult:
 
 @dataclass(frozen=True, slots=True)
 class DecodeStats:
-    """A snapshot of the worker. The first six are zero, and ``pages_free`` /
-    ``slots_free`` equal their totals, when it is idle. ``decoding`` counts requests in the
-    batch scheduler: waiting, running or retracted."""
+    """A snapshot of the worker. The first six are zero when it is idle, and ``pages_free``
+    / ``slots_free`` equal their totals less the retired requests' (``retired_pages``,
+    ``retired``: out of use, not leaked). ``decoding`` counts requests in the batch
+    scheduler: waiting, running or retracted. ``leaked_pages`` counts pages in use that no
+    live, held or retired request owns: anything but zero is a bug."""
 
     live: int
     prealloc_queued: int
@@ -88,6 +90,16 @@ class DecodeStats:
     #: the decode side's throughput while it works.
     step_seconds: float = 0.0
     step_tokens: int = 0
+    #: Pages of the held requests (``held``): out of use until their acks or deadline.
+    held_pages: int = 0
+    #: Retired requests (``HoldPolicy.RETIRE``: their deadline passed without every ack),
+    #: each keeping its pages and its metadata slot out of use until its acks arrive.
+    retired: int = 0
+    retired_pages: int = 0
+    #: Requests retired in all (each also counted once drained, if its acks came late).
+    retirements: int = 0
+    #: Bytes of the held and retired requests' pages.
+    held_bytes: int = 0
 
 
 @dataclass(eq=False)
