@@ -43,15 +43,21 @@ class Hold:
         self.refuse = refuse
         self.held = 0
         self._gate = anyio.Event()
+        self._arrived = anyio.Event()
 
     def open(self) -> None:
         self._gate.set()
+
+    async def wait_held(self) -> None:
+        """Return once an ``/encode`` is held here (at once if one was)."""
+        await self._arrived.wait()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("path") != "/encode":
             await self.app(scope, receive, send)
             return
         self.held += 1
+        self._arrived.set()
         await self._gate.wait()
         if not self.refuse:
             await self.app(scope, receive, send)

@@ -199,3 +199,42 @@ async def test_cancelling_encode_still_releases_the_dispatched_parts() -> None:
             await started.wait()
             group.cancel_scope.cancel()
     assert ("/release", "r#0") in seen
+
+
+async def test_release_outcome_tells_confirmed_held_and_unconfirmed_apart() -> None:
+    # One encoder per way a release can end.
+    async def handler(request: httpx.Request) -> httpx.Response:
+        req_id = json.loads(request.content)["req_id"]
+        host = request.url.host
+        if host == "confirms":
+            return httpx.Response(200, json=None)
+        if host == "holds":
+            # The encoder itself: its write may still land.
+            message = f"req_id {req_id!r} is released, but a transfer may still land"
+            return httpx.Response(
+                504, json={"status": "error", "message": message, "req_id": req_id}
+            )
+        if host == "refuses":
+            return httpx.Response(503, json={"status": "error", "message": "draining"})
+        if host == "gateway":
+            # A proxy in front of the encoder gave up: nobody knows what the encoder did.
+            return httpx.Response(504, text="upstream timed out")
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    urls = ["http://confirms", "http://holds", "http://refuses", "http://gateway", "http://silent"]
+    transport = httpx.MockTransport(handler)
+    async with EncoderClient(urls, release_timeout_s=0.5, transport=transport) as client:
+        parts = client.plan("r", {"image": ["a", "b", "c", "d", "e"]}).parts
+        assert [part.url for part in parts] == urls
+        outcome = await client.release_outcome(parts)
+        assert outcome.confirmed == {"r#0"}
+        assert outcome.held == {"r#1"}
+        # Refused, answered by something else than the encoder, or not answered in time.
+        assert outcome.unconfirmed == {"r#2", "r#3", "r#4"}
+        # release() still answers with the confirmed ids alone.
+        assert await client.release(parts[:2]) == {"r#0"}
+        # Asking again, one part at a time, as a receiver does while pages are held.
+        assert await client.release_confirmed(parts[0]) is True
+        assert await client.release_confirmed(parts[1]) is False
+        assert await client.release_confirmed(parts[3]) is False

@@ -132,8 +132,14 @@ async def test_a_failed_send_releases_the_part_and_frees_its_pages(
             async with fetch_embeddings(client, receiver, "s", {"image": [data_url(56, 56)]}):
                 pytest.fail("no embeddings expected")
         assert receiver.stats().quarantined_pages == 1
+        # The receiver asks again; once the encoder answers, the pages come back.
         del faults.fail["/release"]
-        await encoder.release("s#0")
+        with anyio.fail_after(10):
+            while receiver.stats().held_pages:
+                await anyio.sleep(0.05)
+        assert (receiver.stats().held_bytes, receiver.pool.available()) == (0, 8)
+        assert faults.calls.count(("/release", "s#0")) >= 2
+    assert receiver_engine.registered_regions() == 0
 
 
 async def test_an_error_part_fails_the_request_and_stale_parts_are_dropped(

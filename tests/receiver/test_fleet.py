@@ -183,8 +183,7 @@ async def test_an_encoder_whose_lease_ends_mid_encode_is_failed_over(etcd: EtcdS
         done = anyio.Event()
         group.start_soon(fetch_x, client, rx, done)
         with anyio.fail_after(WAIT_S):
-            while gate.held == 0:
-                await anyio.wait_all_tasks_blocked()
+            await gate.wait_held()
         # The encoder stalls with the part; its lease ends.
         await revoke_lease(reg_a)
         with anyio.fail_after(WAIT_S):
@@ -243,8 +242,7 @@ async def test_a_draining_encoder_takes_no_new_parts_and_finishes_its_own(
         done = anyio.Event()
         group.start_soon(fetch_x, client, rx, done)
         with anyio.fail_after(WAIT_S):
-            while gate.held == 0:
-                await anyio.wait_all_tasks_blocked()
+            await gate.wait_held()
         # The encoder drains: it says so, then its key goes; its part is still in flight.
         await reg_a.withdraw()
         with anyio.fail_after(WAIT_S):
@@ -302,8 +300,7 @@ async def test_a_failover_never_takes_the_id_of_a_callers_own_request(etcd: Etcd
 
         group.start_soon(fetch_own)
         with anyio.fail_after(WAIT_S):
-            while gate.held == 0:
-                await anyio.wait_all_tasks_blocked()
+            await gate.wait_held()
         async with fetch_from_fleet(client, rx, "r", {"image": ["x"]}) as got:
             assert got.rid == "r"
             assert torch.equal(got.parts[0].tensor, expected(["x"]))

@@ -15,7 +15,7 @@ from encdisagg.receiver import (
     MooncakeSendTarget,
     PartMetadata,
 )
-from encdisagg.transfer import LoopbackEngine, LoopbackFabric
+from encdisagg.transfer import Hold, LoopbackEngine, LoopbackFabric
 
 
 def test_runs_are_first_fit_and_consecutive() -> None:
@@ -40,18 +40,37 @@ def test_runs_are_first_fit_and_consecutive() -> None:
         pool.free(a)
 
 
-def test_quarantined_pages_come_back_after_their_deadline() -> None:
+def test_held_runs_stay_out_of_use_until_settled_or_reused() -> None:
     pool = LandingPool(4, 8)
-    run = pool.alloc(4)
-    assert run is not None
-    pool.quarantine(run, until=10.0)
-    assert pool.available() == 0
-    assert pool.quarantined_pages == 4
-    assert pool.alloc(1, now=9.9) is None
-    assert pool.next_reclaim() == 10.0
-    again = pool.alloc(4, now=10.0)
-    assert again is not None
-    assert pool.quarantined_pages == 0
+    a = pool.alloc(2)
+    b = pool.alloc(2)
+    assert a is not None
+    assert b is not None
+    held = Hold("landing pages 0+2", 16)
+    pool.hold(a, held)
+    pool.free(b)
+    # a write may still land in a: only b's pages come back.
+    assert (pool.available(), pool.alloc(3)) == (2, None)
+    assert pool.held_runs() == (a,)
+    assert (pool.quarantined_pages, pool.retired_pages, pool.held_bytes) == (2, 0, 16)
+    with pytest.raises(InternalError, match="not live"):
+        pool.hold(a, Hold("again"))
+    # Past the bound, retired: still out of use.
+    pool.retire(a)
+    assert (pool.quarantined_pages, pool.retired_pages, pool.held_pages) == (0, 2, 2)
+    assert pool.available() == 2
+    # Proof that the write ended gives them back.
+    pool.settle(a, "the encoder confirmed")
+    assert held.settled
+    assert (pool.held_pages, pool.held_bytes, pool.available()) == (0, 0, 4)
+    # Reused past the bound: back in use, but the hold stays: a write may still land.
+    c = pool.alloc(2)
+    assert c == a
+    reused = Hold("landing pages 0+2", 16)
+    pool.hold(c, reused)
+    pool.reuse(c)
+    assert not reused.settled
+    assert (pool.held_pages, pool.held_bytes, pool.available()) == (0, 16, 4)
 
 
 def test_views_cover_the_run() -> None:
@@ -127,6 +146,7 @@ async def test_parts_wait_for_landing_pages_and_quarantine_holds_unconfirmed_one
             page_bytes=256,
             alloc_timeout_s=10.0,
             quarantine_s=60.0,
+            on_quarantine_timeout="reuse",
         ) as receiver,
     ):
         got: list[float] = []
@@ -160,7 +180,7 @@ async def test_parts_wait_for_landing_pages_and_quarantine_holds_unconfirmed_one
             pending.note_metadata(_metadata("d#0"))
             with pytest.raises(ServiceUnavailableError, match=r"within 10\.0 s"):
                 await pending.target(0)
-        # Once the quarantine is over, the pages come back.
+        # Once the quarantine is over, the pages come back (the policy says to reuse them).
         await anyio.sleep(60.0)
         async with receiver.expect(client.plan("e", {"image": ["x"]})) as pending:
             pending.note_metadata(_metadata("e#0"))

@@ -2,7 +2,8 @@
 
 - :class:`EncoderClient`: splits a request's media into parts across encoder servers
   (:func:`assign_parts`) and drives their HTTP API (``/encode``, ``/send``, ``/release``);
-  failures name the encoder (:class:`EncoderCallError`).
+  failures name the encoder (:class:`EncoderCallError`); a release says which parts may
+  still be written into (:class:`ReleaseOutcome`).
 - :class:`EmbeddingReceiver`: where the parts land, over ZMQ or into a registered Mooncake
   :class:`LandingPool`; validates and assembles them (:class:`ReceivedEmbeddings`).
 - :func:`fetch_embeddings`: both together, for one request, with cleanup on every path.
@@ -15,14 +16,13 @@ from types import FunctionType as _FunctionType
 from ._client import (
     EncoderCallError as EncoderCallError,
     EncoderClient as EncoderClient,
-    MooncakeSendTarget as MooncakeSendTarget,
-    SendTarget as SendTarget,
-    ZmqSendTarget as ZmqSendTarget,
+    ReleaseOutcome as ReleaseOutcome,
 )
 from ._fetch import fetch_embeddings as fetch_embeddings
 from ._fleet import EncoderFleet as EncoderFleet
 from ._fleet_fetch import EncoderLeftError as EncoderLeftError, fetch_from_fleet as fetch_from_fleet
 from ._landing import LandingPool as LandingPool, PageRun as PageRun
+from ._landing_holds import Recheck as Recheck
 from ._messages import PartMetadata as PartMetadata
 from ._pending import PendingEmbeddings as PendingEmbeddings
 from ._plan import (
@@ -38,10 +38,16 @@ from ._received import (
     ReceiverStats as ReceiverStats,
 )
 from ._receiver import EmbeddingReceiver as EmbeddingReceiver
+from ._targets import (
+    MooncakeSendTarget as MooncakeSendTarget,
+    SendTarget as SendTarget,
+    ZmqSendTarget as ZmqSendTarget,
+)
 
 __all__ = (
     "EncoderClient",
     "EncoderCallError",
+    "ReleaseOutcome",
     "SendTarget",
     "ZmqSendTarget",
     "MooncakeSendTarget",
@@ -58,6 +64,7 @@ __all__ = (
     "ReceiverStats",
     "LandingPool",
     "PageRun",
+    "Recheck",
     "fetch_embeddings",
     "EncoderFleet",
     "EncoderLeftError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -19,8 +20,9 @@ from ._fleet import EncoderFleet
 from ._groups import first_error
 from ._messages import PartMetadata
 from ._plan import PartPlan, RequestPlan, assign_parts
+from ._targets import SendTarget
 
-__all__ = ["EncoderCallError", "EncoderClient", "MooncakeSendTarget", "SendTarget", "ZmqSendTarget"]
+__all__ = ["EncoderCallError", "EncoderClient", "ReleaseOutcome"]
 
 _log = logging.getLogger("encdisagg.receiver")
 
@@ -74,36 +76,42 @@ def _rebuild_call_error(
 
 
 @dataclass(frozen=True, slots=True)
-class ZmqSendTarget:
-    """``/send`` body for a ZMQ delivery: the receiver's PULL endpoint."""
+class ReleaseOutcome:
+    """What the encoders answered to ``POST /release``, by part id.
 
-    receive_url: str
+    Only :attr:`confirmed` parts are known to be over: memory they were written into may be
+    reused. A :attr:`held` part's transfer may still land (its encoder said so); of an
+    :attr:`unconfirmed` part nothing is known.
+    """
 
-    def body(self, req_id: str) -> dict[str, Any]:
-        return {"req_id": req_id, "receive_url": self.receive_url}
-
-
-@dataclass(frozen=True, slots=True)
-class MooncakeSendTarget:
-    """``/send`` body for a Mooncake delivery: where in the receiver's registered memory the
-    encoder writes, and which engine session owns it."""
-
-    session_id: str
-    buffer_address: int
-    prefill_host: str
-    embedding_port: int
-
-    def body(self, req_id: str) -> dict[str, Any]:
-        return {
-            "req_id": req_id,
-            "session_id": self.session_id,
-            "buffer_address": self.buffer_address,
-            "prefill_host": self.prefill_host,
-            "embedding_port": self.embedding_port,
-        }
+    #: Answered 2xx: no transfer of the part can land any more.
+    confirmed: frozenset[str] = frozenset()
+    #: The encoder itself answered 504: a transfer of the part ended with an unknown outcome
+    #: and may still land, until the encoder's engine reports that it ended.
+    held: frozenset[str] = frozenset()
+    #: Not reached, not answered in time, refused, or answered by something else than the
+    #: encoder (a proxy's 504 says nothing about the encoder's transfers).
+    unconfirmed: frozenset[str] = frozenset()
 
 
-SendTarget = ZmqSendTarget | MooncakeSendTarget
+class _ReleaseAnswer(enum.Enum):
+    CONFIRMED = "confirmed"
+    HELD = "held"
+    UNCONFIRMED = "unconfirmed"
+
+
+def _is_encoder_error(response: httpx.Response) -> bool:
+    """Whether ``response`` carries the encoder's own error body (``{"status": "error",
+    "message": ...}``), rather than a gateway's or a proxy's."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return (
+        isinstance(body, Mapping)
+        and body.get("status") == "error"
+        and isinstance(body.get("message"), str)
+    )
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -125,9 +133,9 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
 
     A request's items are split into parts by modality and spread over the encoders
     (:meth:`plan`, see :func:`assign_parts`); :meth:`encode` posts every part's
-    ``/encode`` at once, :meth:`send` asks an encoder to deliver one part, :meth:`release`
-    lets go of parts. Every call is bounded; a failure names the encoder that failed
-    (:class:`EncoderCallError`).
+    ``/encode`` at once, :meth:`send` asks an encoder to deliver one part,
+    :meth:`release_outcome` lets go of parts and says which may still be written into. Every
+    call is bounded; a failure names the encoder that failed (:class:`EncoderCallError`).
 
     :param urls: the encoders' base URLs (``http://host:port``).
     :param encode_timeout_s: bound on one ``/encode`` call.
@@ -332,34 +340,81 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
     async def release(self, parts: Iterable[PartPlan]) -> frozenset[str]:
         """``POST /release`` for each part, concurrently; best effort.
 
+        As :meth:`release_outcome`, which tells the parts whose transfer may still land
+        apart from those whose encoder did not answer.
+
+        :return: the part ids whose release the encoder confirmed.
+        """
+        return (await self.release_outcome(parts)).confirmed
+
+    async def release_outcome(self, parts: Iterable[PartPlan]) -> ReleaseOutcome:
+        """``POST /release`` for each part, concurrently; best effort.
+
         A checkpoint, but shielded: it completes (bounded by ``release_timeout_s``) even if
         the caller is cancelled, and the cancellation arrives afterwards. Failures are
         logged, not raised.
 
-        :return: the part ids whose release the encoder confirmed. The encoder answers a
-            release only once no transfer of the part is in flight any more, so memory a
-            confirmed part was being written into is free to reuse.
+        :return: which parts the encoders confirmed (no transfer of them can land any more:
+            memory they were written into is free to reuse), which they reported held (a
+            transfer may still land), and which are unconfirmed.
         """
         parts = list(parts)
-        confirmed: set[str] = set()
+        answers: dict[str, _ReleaseAnswer] = {}
         if not parts:
             await anyio.lowlevel.checkpoint()
-            return frozenset()
+            return ReleaseOutcome()
 
         async def one(part: PartPlan) -> None:
-            try:
-                await self._post(part, "/release", {"req_id": part.req_id}, self._release_timeout_s)
-            except EncdisaggError as exc:
-                _log.warning("releasing part %r on %s failed: %s", part.req_id, part.url, exc)
-            else:
-                confirmed.add(part.req_id)
+            answers[part.req_id] = await self._release_one(part, logging.WARNING)
 
         with anyio.move_on_after(self._release_timeout_s, shield=True):
             async with anyio.create_task_group() as group:
                 for part in parts:
                     group.start_soon(one, part)
         await anyio.lowlevel.checkpoint_if_cancelled()
-        return frozenset(confirmed)
+
+        def having(answer: _ReleaseAnswer) -> frozenset[str]:
+            return frozenset(req_id for req_id, said in answers.items() if said is answer)
+
+        confirmed, held = having(_ReleaseAnswer.CONFIRMED), having(_ReleaseAnswer.HELD)
+        # A part cut off by the bound has no answer at all: unconfirmed too.
+        unconfirmed = frozenset(part.req_id for part in parts) - confirmed - held
+        return ReleaseOutcome(confirmed=confirmed, held=held, unconfirmed=unconfirmed)
+
+    async def release_confirmed(self, part: PartPlan) -> bool:
+        """``POST /release`` for ``part`` once more: whether its encoder now confirms that
+        no transfer of it can land any more.
+
+        For asking again about a part whose release was held or unconfirmed. A checkpoint,
+        bounded by ``release_timeout_s``; cancelling it abandons the call (nothing is
+        confirmed then). An answer other than 2xx is logged at debug level only: the asker
+        repeats itself. Never raises an :class:`EncdisaggError`.
+        """
+        return await self._release_one(part, logging.DEBUG) is _ReleaseAnswer.CONFIRMED
+
+    async def _release_one(self, part: PartPlan, level: int) -> _ReleaseAnswer:
+        route = "/release"
+        try:
+            response = await self._call(
+                part, route, {"req_id": part.req_id}, self._release_timeout_s
+            )
+        except EncdisaggError as exc:
+            _log.log(level, "releasing part %r on %s failed: %s", part.req_id, part.url, exc)
+            return _ReleaseAnswer.UNCONFIRMED
+        if response.is_success:
+            return _ReleaseAnswer.CONFIRMED
+        error = self._answer_error(part, route, response)
+        if response.status_code == TIMED_OUT and _is_encoder_error(response):
+            _log.log(
+                level,
+                "part %r on %s is released, but a transfer of it may still land: %s",
+                part.req_id,
+                part.url,
+                error,
+            )
+            return _ReleaseAnswer.HELD
+        _log.log(level, "releasing part %r on %s failed: %s", part.req_id, part.url, error)
+        return _ReleaseAnswer.UNCONFIRMED
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -374,6 +429,36 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
             req_id=part.rid,
         )
 
+    def _answer_error(
+        self, part: PartPlan, route: str, response: httpx.Response
+    ) -> EncoderCallError:
+        status = response.status_code
+        return self._error(part, route, status, f"answered {status}: {_error_message(response)}")
+
+    async def _call(
+        self, part: PartPlan, route: str, body: dict[str, Any], timeout_s: float
+    ) -> httpx.Response:
+        """POST ``body``; the response, whatever its status.
+
+        :raises EncoderCallError: the encoder could not be reached (502) or did not answer
+            within ``timeout_s`` (504).
+        :raises ServiceUnavailableError: the client is not open.
+        """
+        client = self._client
+        if client is None:
+            raise ServiceUnavailableError("the EncoderClient is not open", req_id=part.rid)
+        try:
+            with anyio.fail_after(timeout_s):
+                # The caller's trace (when traced) continues in the encoder's spans.
+                headers = _tracing.outgoing_headers()
+                return await client.post(part.url + route, json=body, headers=headers)
+        except (TimeoutError, httpx.TimeoutException):
+            raise self._error(
+                part, route, TIMED_OUT, f"did not answer within {timeout_s} s"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise self._error(part, route, UNREACHABLE, f"could not be reached: {exc!r}") from None
+
     async def _post(
         self,
         part: PartPlan,
@@ -383,27 +468,11 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         *,
         answer: bool = False,
     ) -> Any:
-        """POST ``body``; the decoded JSON answer if ``answer``, else ``None`` (``/send`` and
-        ``/release`` answer ``null``: only the status counts)."""
-        client = self._client
-        if client is None:
-            raise ServiceUnavailableError("the EncoderClient is not open", req_id=part.rid)
-        try:
-            with anyio.fail_after(timeout_s):
-                # The caller's trace (when traced) continues in the encoder's spans.
-                headers = _tracing.outgoing_headers()
-                response = await client.post(part.url + route, json=body, headers=headers)
-        except (TimeoutError, httpx.TimeoutException):
-            raise self._error(
-                part, route, TIMED_OUT, f"did not answer within {timeout_s} s"
-            ) from None
-        except httpx.HTTPError as exc:
-            raise self._error(part, route, UNREACHABLE, f"could not be reached: {exc!r}") from None
+        """POST ``body``; the decoded JSON answer if ``answer``, else ``None`` (``/send``
+        answers ``null``: only the status counts)."""
+        response = await self._call(part, route, body, timeout_s)
         if response.status_code >= 400:
-            message = _error_message(response)
-            raise self._error(
-                part, route, response.status_code, f"answered {response.status_code}: {message}"
-            )
+            raise self._answer_error(part, route, response)
         if not answer:
             return None
         try:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 
 import anyio
+import anyio.lowlevel
 
 from .._errors import RequestTimeoutError
 from .._modality import Modality
@@ -16,7 +18,7 @@ from ._plan import PartPlan
 from ._received import ReceivedEmbeddings
 from ._receiver import EmbeddingReceiver
 
-__all__ = ["fetch_embeddings"]
+__all__ = ["fetch_embeddings", "release_dispatched"]
 
 
 @asynccontextmanager
@@ -38,7 +40,8 @@ async def fetch_embeddings(
     Entering is a checkpoint. If a part fails, an error part arrives, ``timeout_s`` passes
     or the caller is cancelled, the other parts are cancelled and every part that was
     dispatched is released on its encoder (shielded, bounded); landing pages whose write
-    the release confirmed stopped are freed, the others quarantined.
+    the release confirmed stopped are freed, the others held until their encoder confirms
+    (see :func:`release_dispatched`).
 
     :raises EncoderCallError: an encoder failed a call (it names the encoder and part).
     :raises RequestTimeoutError: the parts did not all arrive within ``timeout_s``.
@@ -75,8 +78,7 @@ async def _gather(
                     group.start_soon(one, part)
                 group.start_soon(wait)
     except BaseException as exc:
-        confirmed = await client.release(dispatched)
-        pending.confirm_stopped(confirmed)
+        await release_dispatched(client, pending, dispatched)
         failure = first_error(exc)
         if isinstance(failure, TimeoutError):
             failure = RequestTimeoutError(
@@ -88,3 +90,27 @@ async def _gather(
     if failure is not None:
         raise failure
     return pending.result()
+
+
+async def release_dispatched(
+    client: EncoderClient, pending: PendingEmbeddings, parts: Iterable[PartPlan]
+) -> None:
+    """Release ``parts`` of ``pending``'s request on their encoders, and say what that
+    means for their landing pages.
+
+    Parts confirmed stopped give their pages back with the request. The others (their
+    encoder said the write may still land, or did not answer) keep them held, and the
+    receiver asks their encoder again (:meth:`EncoderClient.release_confirmed`) until it
+    confirms or the receiver's bound runs out.
+
+    A checkpoint, shielded and bounded by the client's ``release_timeout_s``: the outcome
+    is recorded before a cancellation of the caller arrives, once this returns.
+    """
+    parts = list(parts)
+    with anyio.CancelScope(shield=True):
+        outcome = await client.release_outcome(parts)
+    pending.confirm_stopped(outcome.confirmed)
+    for part in parts:
+        if part.req_id not in outcome.confirmed:
+            pending.hold_until_confirmed(part.part_idx, partial(client.release_confirmed, part))
+    await anyio.lowlevel.checkpoint_if_cancelled()

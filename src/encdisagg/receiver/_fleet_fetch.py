@@ -6,13 +6,15 @@ connection is lost, or its lease runs out (it leaves the view) while its part is
 encoded or sent, or was sent but has not arrived (a ZMQ ``/send`` may return while the
 message is still queued in the encoder's process, and a killed process takes it along) —
 the attempt is cut short: every part dispatched is released
-(shielded, bounded; parts on an encoder that is gone are left to their deadline there),
+(shielded, bounded; parts on an encoder that is gone are left to their deadline there, and
+their landing pages, for Mooncake, to the receiver's bound and policy: nobody can say when
+that encoder's write ends),
 the encoder is left out, and the request is planned again over the others under fresh part
 ids (``rid#~1#0``, ``rid#~1#1``...), within the request's one deadline. Attempt ids use the
 part separator ``#``, which no caller's id may contain, so no attempt ever takes the id of
 a request of the caller's own (``rid~1`` is a valid one). A late delivery of
 the abandoned attempt names an id nobody expects any more and is dropped by the receiver
-(its landing pages, for Mooncake, stay quarantined until its write is confirmed stopped), so
+(its landing pages, for Mooncake, stay held until its write is confirmed stopped), so
 nothing arrives twice. The caller gets the embeddings under its own ``rid``.
 """
 
@@ -29,6 +31,7 @@ import anyio
 from .._errors import BadRequestError, RequestTimeoutError, ServiceUnavailableError
 from .._modality import Modality
 from ._client import TIMED_OUT, UNREACHABLE, EncoderCallError, EncoderClient
+from ._fetch import release_dispatched
 from ._fleet import EncoderFleet
 from ._groups import first_error
 from ._pending import PendingEmbeddings
@@ -191,11 +194,11 @@ async def _gather(
             outer.cancel_scope.cancel()
     except BaseException as exc:
         failure = first_error(exc)
-        # Parts on an encoder that is gone are left to their deadline there.
+        # Parts on an encoder that is gone are left to their deadline there; nobody can be
+        # asked about their landing pages, which follow the receiver's bound and policy.
         gone = _gone_url(failure)
         reachable = [p for p in dispatched if p.url != gone]
-        confirmed = await client.release(reachable)
-        pending.confirm_stopped(confirmed)
+        await release_dispatched(client, pending, reachable)
         if failure is exc:
             raise
     if failure is not None:

@@ -3,13 +3,13 @@
 Made and owned by an ``async with receiver.expect(plan)`` block. Its ``note_*`` methods
 record what encoders said and sent (checked by :mod:`._validate`); :meth:`target` hands
 an encoder the place to send a part to, and for Mooncake tracks whether a write into its
-landing pages may still be in flight, so that leaving the block frees or quarantines them.
+landing pages may still be in flight, so that leaving the block frees them or holds them
+(:mod:`._landing_holds`) until the encoder confirms the write ended.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -17,9 +17,9 @@ import anyio
 import anyio.lowlevel
 
 from .._errors import BadRequestError, EncdisaggError, InternalError, RequestNotActiveError
-from ._client import MooncakeSendTarget, SendTarget, ZmqSendTarget
 from ._plan import part_req_id
 from ._received import EmbeddingPart, ReceivedEmbeddings
+from ._targets import MooncakeSendTarget, SendTarget, ZmqSendTarget
 from ._validate import (
     check_agreement,
     check_header_ids,
@@ -37,13 +37,12 @@ if TYPE_CHECKING:
 
     from ..transfer import EmbeddingHeader, ReceivedPart
     from ._landing import PageRun
+    from ._landing_holds import Recheck
     from ._messages import PartMetadata
     from ._plan import RequestPlan
     from ._receiver import EmbeddingReceiver
 
 __all__ = ["PendingEmbeddings"]
-
-_log = logging.getLogger("encdisagg.receiver")
 
 
 class _Write(enum.Enum):
@@ -51,7 +50,7 @@ class _Write(enum.Enum):
 
     TARGETED = "targeted"  # given to an encoder: a write may be in flight
     LANDED = "landed"  # the encoder's /send returned: the write is over
-    STOPPED = "stopped"  # the encoder confirmed no write is in flight (a release answered)
+    STOPPED = "stopped"  # the encoder confirmed no write can land (a release answered 2xx)
 
 
 class PendingEmbeddings:
@@ -70,6 +69,8 @@ class PendingEmbeddings:
         self._tensors: dict[int, torch.Tensor] = {}
         self._runs: dict[int, PageRun] = {}
         self._writes: dict[int, _Write] = {}
+        # How to ask the encoder of a targeted part again whether its write ended.
+        self._rechecks: dict[int, Recheck] = {}
         self._error: EncdisaggError | None = None
         self._closed = False
         self._changed = anyio.Event()
@@ -170,11 +171,27 @@ class PendingEmbeddings:
         self._wake()
 
     def confirm_stopped(self, part_ids: Iterable[str]) -> None:
-        """The encoders confirmed these parts have no write in flight (a release answered)."""
+        """The encoders confirmed that no write of these parts can land any more (their
+        release answered 2xx): their landing pages are freed with the request. Not a
+        checkpoint."""
         confirmed = set(part_ids)
         for part_idx, state in self._writes.items():
             if state is _Write.TARGETED and part_req_id(self.rid, part_idx) in confirmed:
                 self._writes[part_idx] = _Write.STOPPED
+
+    def hold_until_confirmed(self, part_idx: int, recheck: Recheck) -> None:
+        """The encoder of ``part_idx`` did not confirm that its write stopped: it said the
+        write may still land, or did not answer. Not a checkpoint.
+
+        When the request ends, the part's landing pages stay held, and ``recheck`` is
+        awaited (with backoff, by the receiver's own task) until it returns True, which
+        frees them, or the receiver's ``quarantine_s`` ran out (then its
+        ``on_quarantine_timeout`` decides). A part whose write is over (landed, or
+        confirmed stopped) or that has no landing pages is not concerned.
+        """
+        check_part_index(self.plan, part_idx, "hold_until_confirmed")
+        if self._writes.get(part_idx) is _Write.TARGETED:
+            self._rechecks[part_idx] = recheck
 
     def result(self) -> ReceivedEmbeddings:
         """The assembled embeddings.
@@ -216,7 +233,8 @@ class PendingEmbeddings:
         A checkpoint. ZMQ: the receiver's endpoint. Mooncake: a run of landing pages sized
         from the part's metadata (note it first), waiting (at most the receiver's
         ``alloc_timeout_s``) for pages to free up; from here on the run counts as written
-        into until :meth:`note_sent` or :meth:`confirm_stopped`.
+        into until :meth:`note_sent` or :meth:`confirm_stopped`. Cancelled while it waits,
+        it takes no pages.
 
         :raises BadRequestError: the part is larger than the whole landing pool.
         :raises ServiceUnavailableError: no pages freed up in time, or the receiver closed.
@@ -257,24 +275,19 @@ class PendingEmbeddings:
 
     # -- ending ------------------------------------------------------------------------------
 
-    def _close(self, now: float, quarantine_s: float) -> None:
-        """Drop the tensors; free the runs nobody writes into, quarantine the others."""
+    def _close(self) -> None:
+        """Drop the tensors; free the runs nobody writes into, hold the others."""
         self._closed = True
         self._tensors.clear()
-        pool = self._receiver._pool
+        receiver = self._receiver
         for part_idx, run in self._runs.items():
-            assert pool is not None
             if self._writes.get(part_idx) is _Write.TARGETED:
-                _log.warning(
-                    "request %r: part %d's landing pages are quarantined for %s s: its encoder "
-                    "did not confirm that its write stopped",
-                    self.rid,
-                    part_idx,
-                    quarantine_s,
+                receiver._hold_run(
+                    run, part_req_id(self.rid, part_idx), self._rechecks.get(part_idx)
                 )
-                pool.quarantine(run, now + quarantine_s)
             else:
-                pool.free(run)
+                receiver.pool.free(run)
         self._runs.clear()
         self._writes.clear()
+        self._rechecks.clear()
         self._wake()

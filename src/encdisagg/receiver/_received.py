@@ -101,13 +101,28 @@ def _joined_timing(parts: list[EmbeddingPart]) -> tuple[VideoTiming, ...] | None
 
 @dataclass(frozen=True, slots=True)
 class ReceiverStats:
-    """A snapshot of a receiver. ``live_requests``, ``landing_pages_in_use`` and
-    ``quarantined_pages`` are zero when it is idle."""
+    """A snapshot of a receiver. ``live_requests`` and ``landing_pages_in_use`` are zero
+    when it is idle; the held figures too, once every encoder confirmed its writes ended.
+
+    Landing pages (Mooncake) are free, in use by a live request, or *held*: a write may
+    still land in them, so they are out of use. Held pages are *quarantined* while the
+    receiver asks their encoder whether the write ended (within ``quarantine_s``), then,
+    unconfirmed, *retired* for good (``on_quarantine_timeout="retire"``) or reused.
+    """
 
     live_requests: int
     parts_received: int
     stale_parts_dropped: int
     malformed_messages: int
     landing_pages: int
+    #: Pages of live requests' runs.
     landing_pages_in_use: int
+    #: Held pages whose encoder is asked whether the write into them ended.
     quarantined_pages: int
+    #: Held pages past ``quarantine_s`` without confirmation: out of use for good.
+    retired_pages: int = 0
+    #: Pages out of use because a write may still land in them: quarantined + retired.
+    held_pages: int = 0
+    #: Bytes a write may still land in. Above ``held_pages`` x the page size when pages
+    #: were reused past ``quarantine_s`` (``on_quarantine_timeout="reuse"``).
+    held_bytes: int = 0

@@ -8,8 +8,9 @@ Two ways in:
   gets a run of pages the encoder writes into, and is there once its ``/send`` returned.
 
 A request's landing state is a :class:`PendingEmbeddings`, owned by the ``async with
-receiver.expect(plan)`` block that created it: leaving the block frees its pages (or
-quarantines those an encoder may still write into) and drops its tensors, on every path.
+receiver.expect(plan)`` block that created it: leaving the block frees its pages and drops
+its tensors, on every path. Pages an encoder may still write into are held instead, and
+asked about again until their encoder confirms the write ended (:class:`HeldLandings`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import torch
 
 from .. import _tracing
 from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
-from ..transfer import EmbeddingLayout, ReceivedPart, ZmqReceiver, dtype_name
+from ..transfer import EmbeddingLayout, HoldPolicy, ReceivedPart, ZmqReceiver, dtype_name
 from ._landing import LandingPool, PageRun
+from ._landing_holds import HeldLandings, Recheck
 from ._pending import PendingEmbeddings
 from ._plan import PART_SEPARATOR, RequestPlan
 from ._received import ReceiverStats
@@ -51,9 +53,12 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
     """Receives the embedding parts of requests from encoders.
 
     ``async with EmbeddingReceiver(...) as receiver:`` binds the ZMQ socket and starts its
-    dispatcher, or registers the landing pool with ``engine``. Leaving the block fails the
-    requests still expected, waits (shielded, bounded by ``close_timeout_s``) for their
-    blocks to end, and then unbinds or deregisters.
+    dispatcher, or registers the landing pool with ``engine`` and starts watching held
+    pages. Leaving the block fails the requests still expected and waits (shielded, bounded
+    by ``close_timeout_s``) for their blocks to end; then unbinds, or waits (likewise
+    bounded) for the encoders still being asked about held pages and deregisters the pool.
+    A pool with pages still held is neither deregistered nor freed: it is left to
+    ``engine``, which keeps it until it closes.
 
     :param transport: ``"zmq"`` or ``"mooncake"``.
     :param hidden_size: the width every embedding must have (the language model's).
@@ -63,7 +68,14 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
     :param landing_pages: pages of the Mooncake landing pool.
     :param page_bytes: bytes per landing page.
     :param alloc_timeout_s: how long a part waits for landing pages at most.
-    :param quarantine_s: how long pages an encoder may still write into are held back.
+    :param quarantine_s: how long the receiver asks the encoder of a part whose write may
+        still land (its release was held or unconfirmed) whether the write ended; its pages
+        are held meanwhile, and freed when the encoder confirms.
+    :param on_quarantine_timeout: what becomes of such pages when ``quarantine_s`` ran out
+        without confirmation (a :class:`~encdisagg.transfer.HoldPolicy` or its value):
+        ``"retire"`` (the default) keeps them out of use for good, so a late write never
+        lands in another request; ``"reuse"`` hands them out again (logged as a warning),
+        and a late write then lands in whichever request got them.
     :param max_part_tokens: the most tokens one part may have; a ZMQ payload larger than
         that many rows of ``hidden_size`` x ``dtype`` is refused before ZMQ buffers it.
     :param max_payload_bytes: the ZMQ payload bound in bytes, instead of the one
@@ -89,6 +101,7 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         page_bytes: int = 16 * 1024,
         alloc_timeout_s: float = 30.0,
         quarantine_s: float = 60.0,
+        on_quarantine_timeout: HoldPolicy | str = HoldPolicy.RETIRE,
         max_part_tokens: int = DEFAULT_MAX_PART_TOKENS,
         max_payload_bytes: int | None = None,
         close_timeout_s: float = 10.0,
@@ -113,6 +126,21 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             raise BadRequestError(f"max_part_tokens must be an integer; got {max_part_tokens!r}")
         if max_part_tokens < 1:
             raise BadRequestError(f"max_part_tokens must be at least 1; got {max_part_tokens}")
+        if (
+            isinstance(quarantine_s, bool)
+            or not isinstance(quarantine_s, (int, float))
+            or not quarantine_s >= 0
+        ):
+            raise BadRequestError(
+                f"quarantine_s must be a non-negative number; got {quarantine_s!r}"
+            )
+        try:
+            #: What becomes of held pages once ``quarantine_s`` ran out without confirmation.
+            self.on_quarantine_timeout = HoldPolicy.parse(
+                on_quarantine_timeout, field="on_quarantine_timeout"
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from None
         self.transport = transport
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -133,6 +161,7 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         self._curve_secret_key = curve_secret_key
         self._zmq: ZmqReceiver | None = None
         self._pool: LandingPool | None = None
+        self._held: HeldLandings | None = None
         self._session_id: str | None = None
         self._open = False
         self._pending: dict[str, PendingEmbeddings] = {}
@@ -191,16 +220,23 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
 
     def stats(self) -> ReceiverStats:
         pool = self._pool
+        if pool is None:
+            in_use = quarantined = retired = held_bytes = 0
+        else:
+            quarantined, retired = pool.quarantined_pages, pool.retired_pages
+            in_use = pool.num_pages - pool.available() - quarantined - retired
+            held_bytes = pool.held_bytes
         return ReceiverStats(
             live_requests=len(self._pending),
             parts_received=self._parts_received,
             stale_parts_dropped=self._stale,
             malformed_messages=self._malformed,
             landing_pages=0 if pool is None else pool.num_pages,
-            landing_pages_in_use=0
-            if pool is None
-            else pool.num_pages - pool.available() - pool.quarantined_pages,
-            quarantined_pages=0 if pool is None else pool.quarantined_pages,
+            landing_pages_in_use=in_use,
+            quarantined_pages=quarantined,
+            retired_pages=retired,
+            held_pages=quarantined + retired,
+            held_bytes=held_bytes,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -230,8 +266,19 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             return
         assert self._engine is not None
         pool = LandingPool(self._landing_pages, self._page_bytes)
-        async with pool.registered(self._engine):
+        held = HeldLandings(
+            pool,
+            bound_s=self._quarantine_s,
+            policy=self.on_quarantine_timeout,
+            close_timeout_s=self._close_timeout_s,
+            on_freed=self._space_freed,
+        )
+        # Left in reverse: the requests end; the encoders still asked about held pages get
+        # until close_timeout_s to confirm; then the pool is deregistered, or left to the
+        # engine if pages are still held.
+        async with pool.registered(self._engine, close_timeout_s=self._close_timeout_s), held:
             self._pool = pool
+            self._held = held
             self._session_id = self._engine.session_id
             async with self._serving():
                 yield self
@@ -264,8 +311,9 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
 
         Entering is a checkpoint. Leaving drops the request's tensors and gives back its
         landing pages, except those an encoder may still be writing into (a ``/send`` that
-        did not return and whose release was not confirmed): those are quarantined for
-        ``quarantine_s``. Not a checkpoint on the way out.
+        did not return and whose release was not confirmed): those stay held until their
+        encoder confirms the write ended (see :meth:`PendingEmbeddings.hold_until_confirmed`)
+        or ``quarantine_s`` ran out. Not a checkpoint on the way out.
 
         :raises ServiceUnavailableError: the receiver is not open.
         :raises RequestNotActiveError: the request id is expected already.
@@ -283,13 +331,22 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             yield pending
         finally:
             del self._pending[plan.rid]
-            pending._close(anyio.current_time(), self._quarantine_s)
-            self._space.set()
-            self._space = anyio.Event()
+            pending._close()
+            self._space_freed()
             if not self._pending and self._closing():
                 self._all_closed.set()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _space_freed(self) -> None:
+        """Landing pages may have come back: wake the parts waiting for some."""
+        self._space.set()
+        self._space = anyio.Event()
+
+    def _hold_run(self, run: PageRun, part_id: str, recheck: Recheck | None) -> None:
+        """Hold ``run`` of part ``part_id``: a write may still land in it. Not a checkpoint."""
+        assert self._held is not None
+        self._held.hold(run, part_id, recheck)
 
     async def _alloc_run(self, rid: str, nbytes: int) -> PageRun:
         pool = self.pool
@@ -304,19 +361,17 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         while True:
             if not self._open:
                 raise ServiceUnavailableError("the embedding receiver closed", req_id=rid)
-            now = anyio.current_time()
-            run = pool.alloc(count, now=now)
+            run = pool.alloc(count)
             if run is not None:
                 return run
+            now = anyio.current_time()
             if now >= deadline:
                 raise ServiceUnavailableError(
                     f"request {rid!r}: no {count} free landing pages within "
                     f"{self._alloc_timeout_s} s",
                     req_id=rid,
                 )
-            reclaim = pool.next_reclaim()
-            wake = deadline if reclaim is None else min(deadline, reclaim)
-            with anyio.move_on_after(max(0.0, wake - now)):
+            with anyio.move_on_after(deadline - now):
                 await self._space.wait()
 
     async def _dispatch(self, rx: ZmqReceiver) -> None:
