@@ -229,7 +229,7 @@ async def run_demo(
             prefill_stats.staging_rows - prefill_stats.staging_rows_free
         )
         receiver_stats = receiver.stats()
-        leaked_landing = receiver_stats.landing_pages_in_use + receiver_stats.quarantined_pages
+        leaked_landing = receiver_stats.landing_pages_in_use
 
         outcomes = await _compare(planned, results, lm_reference)
     elapsed = anyio.current_time() - started
@@ -243,6 +243,7 @@ async def run_demo(
         prefill=prefill_stats,
         leaked_staging=leaked_staging,
         leaked_landing=leaked_landing,
+        held_landing=receiver_stats.held_pages,
         encoder_live=encoder_live,
         elapsed_s=elapsed,
         backend=backend,

@@ -106,12 +106,15 @@ class DemoReport:
     prefill: PrefillStats
     #: Pages and rows of prefill's staging memory not back at the end.
     leaked_staging: int
-    #: Landing pages still in use (or quarantined) at the end.
+    #: Landing pages still in use at the end (held ones are not leaked: ``held_landing``).
     leaked_landing: int
     #: Requests still live on the encoders once the pipeline went idle.
     encoder_live: int
     elapsed_s: float
     backend: str
+    #: Landing pages held at the end: a write into them may still land (retired or still
+    #: asked about), so they are out of use, not leaked.
+    held_landing: int = 0
     problems: tuple[str, ...] = field(default=())
 
     @property
@@ -145,16 +148,24 @@ class DemoReport:
 
     @property
     def leaked_pages(self) -> int:
+        """Pages not back at the end that no hold accounts for (retired decode pages and
+        held landing pages are out of use on purpose)."""
         return (
             self.decode.pages_total
             - self.decode.pages_free
+            - self.decode.retired_pages
             + self.leaked_staging
             + self.leaked_landing
         )
 
     @property
     def leaked_slots(self) -> int:
-        return self.decode.slots_total - self.decode.slots_free
+        return self.decode.slots_total - self.decode.slots_free - self.decode.retired
+
+    @property
+    def retired_pages(self) -> int:
+        """Pages kept out of use because a write may still land in them."""
+        return self.decode.retired_pages + self.held_landing
 
     def summary_line(self) -> str:
         counts = dict.fromkeys(DecodeStatus, 0)
@@ -177,6 +188,7 @@ class DemoReport:
             f"held_releases={self.decode.held_releases}",
             f"drained={self.decode.drained_releases}",
             f"timed_out={self.decode.timed_out_releases}",
+            f"retired_pages={self.retired_pages}",
             f"decode_steps={self.decode.decode_steps}",
             f"retractions={self.decode.retractions}",
             f"leaked_pages={self.leaked_pages}",
