@@ -28,6 +28,7 @@ from ._events import EncoderEvents
 from ._lifecycle import RequestLifecycle
 from ._parts import global_cache_settings, load_configured_model, open_engine, open_global_cache
 from ._regions import RegionOwner
+from ._shutdown import drain
 from ._types import (
     Destination,
     EncodeRequest,
@@ -152,7 +153,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
                                 yield
                             finally:
                                 self._open = False
-                                await lifecycle.drain()
+                                await drain(lifecycle)
                         services.cancel_scope.cancel()
                 finally:
                     # Every request was freed: the owner sweeps what was handed to it,

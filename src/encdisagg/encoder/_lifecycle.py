@@ -100,7 +100,8 @@ class RequestLifecycle:
         self._delivery = delivery
         self._events = events
         self._pushes = pushes
-        self._closing: anyio.Event | None = None
+        #: Set once no request is live, after :func:`~._shutdown.drain` armed it.
+        self.all_freed: anyio.Event | None = None
         self.inflight = 0
         model = compute.model
         #: The embedding layout every result has: hidden size, dtype name, item size.
@@ -119,8 +120,8 @@ class RequestLifecycle:
             record.handover = self._regions.free(record.req_id, staged)
         self.table.retire(record)
         self.wakeups.wake(record.req_id)
-        if self._closing is not None and not self.table.live:
-            self._closing.set()
+        if self.all_freed is not None and not self.table.live:
+            self.all_freed.set()
 
     def request_release(self, record: RequestRecord) -> None:
         if record.request_release():
@@ -475,37 +476,6 @@ class RequestLifecycle:
         attempt of ``handover`` to end (a failed one is retried by the region owner)."""
         with anyio.move_on_after(self.config.cleanup_timeout_s, shield=True):
             await handover.attempted.wait()
-
-    # -- shutdown -----------------------------------------------------------------------------
-
-    async def drain(self) -> None:
-        """Release every live request; after ``shutdown_grace_s`` cancel what still runs,
-        and wait until every job left. Shielded.
-
-        A cancelled job leaves once its transfer stopped touching memory or outlived its
-        engine's bound (then the memory is held), so every wait here ends; the engine, the
-        arena and every registration outlive every job that uses them. Each
-        ``cleanup_timeout_s`` of waiting is logged with what is still running.
-        """
-        self._closing = anyio.Event()
-        for record in list(self.table.live.values()):
-            self.request_release(record)
-        with anyio.CancelScope(shield=True):
-            if self.table.live:
-                with anyio.move_on_after(self.config.shutdown_grace_s):
-                    await self._closing.wait()
-            for record in list(self.table.live.values()):
-                record.cancel_jobs()
-            while self.table.live:
-                with anyio.move_on_after(self.config.cleanup_timeout_s):
-                    await self._closing.wait()
-                for record in self.table.live.values():
-                    _log.error(
-                        "closing: req_id %r still has %d job(s) running (a transfer the "
-                        "engine has not given up on yet); waiting for it",
-                        record.req_id,
-                        record.jobs,
-                    )
 
 
 def _fail_layout(rows: torch.Tensor, metadata: EncodeResult) -> None:
