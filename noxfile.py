@@ -70,10 +70,14 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def soak(session: nox.Session) -> None:
     """The reliability tests at soak sizes (``ENCDISAGG_SOAK=1``): the hostile-client soak,
-    the route fuzzers and the transfer contract's state machine, each for minutes (``python
-    -m benchmarks --soak`` runs the same beside the benchmarks and keeps a report)."""
+    the route fuzzers and the transfer contract's state machine, each for minutes; the soak's
+    figures land in ``benchmarks/results/soak.json`` (``python -m benchmarks --soak`` runs the
+    same beside the benchmarks)."""
     install_project(session, "mooncake-cpu", "dev")
+    report = ROOT / "benchmarks" / "results" / "soak.json"
+    report.unlink(missing_ok=True)  # each soak test merges its section into a fresh report
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "ENCDISAGG_SOAK": "1"}
+    env["ENCDISAGG_SOAK_REPORT"] = str(report)
     args = ["tests/reliability", "-q", "-p", "no:cacheprovider"]
     args += ["--deselect", "tests/reliability/test_bench_runner.py"]
     # Soak-sized tests run for minutes: no per-test timeout or traceback dumps.
