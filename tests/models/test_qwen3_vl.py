@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from transformers import (
     Qwen3VLMoeVisionConfig,
 )
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_video_resize
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
 from encdisagg import BadRequestError
@@ -145,23 +144,23 @@ def test_a_mixed_batch_splits_back_per_item_exactly(
 
 
 def test_video_grid_equals_the_hf_video_processor(qwen3: Qwen3VisionModel) -> None:
-    # Qwen3VLVideoProcessor needs torchvision to run; its own patch count needs only its
-    # settings, which is all of it the grid depends on.
-    settings = SimpleNamespace(
-        size={"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32},
-        patch_size=16,
-        merge_size=2,
-        temporal_patch_size=2,
-        cap_pixels_per_frame=False,
-        max_video_tokens=768,
-    )
+    # Qwen3VLVideoProcessor needs torchvision to run; the grid it makes comes from its module's
+    # smart_resize under the checkpoint's video settings, which needs nothing more.
     for frames, width, height in [(2, 64, 48), (5, 80, 64), (8, 640, 360), (16, 1280, 720)]:
         clip = [make_image(width, height, seed=n) for n in range(frames)]
         pre = qwen3.preprocess([clip], Modality.VIDEO)
         (grid,) = pre.grid
-        patches = Qwen3VLVideoProcessor.get_num_of_video_patches(settings, frames, height, width)
-        assert grid[0] == -(-frames // 2)
-        assert grid[0] * grid[1] * grid[2] == patches
+        resized_height, resized_width = hf_video_resize(
+            frames,
+            height,
+            width,
+            temporal_factor=2,
+            factor=16 * 2,
+            min_pixels=128 * 32 * 32,
+            max_pixels=768 * 32 * 32,
+        )
+        patches = -(-frames // 2) * (resized_height // 16) * (resized_width // 16)
+        assert tuple(grid) == (-(-frames // 2), resized_height // 16, resized_width // 16)
         assert pre.features["pixel_values"].shape == (patches, 3 * 2 * 16 * 16)
         (out,) = qwen3.forward([pre])
         assert tuple(out.shape) == (patches // 4, 192)
