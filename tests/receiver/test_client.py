@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import pickle
+import re
 import socket
+from pathlib import Path
 
 import anyio
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 
-from encdisagg import Modality
+from encdisagg import BadRequestError, Modality
 from encdisagg.models import QwenVisionModel, load_model
 from encdisagg.receiver import EncoderCallError, EncoderClient, ZmqSendTarget
 
@@ -238,3 +244,40 @@ async def test_release_outcome_tells_confirmed_held_and_unconfirmed_apart() -> N
         assert await client.release_confirmed(parts[0]) is True
         assert await client.release_confirmed(parts[1]) is False
         assert await client.release_confirmed(parts[3]) is False
+
+
+async def test_the_client_takes_the_items_an_encoder_takes(
+    tiny: QwenVisionModel, tmp_path: Path
+) -> None:
+    png = base64.b64decode(data_url(84, 56, 4).partition(",")[2])
+    on_disk = tmp_path / "photo.png"
+    on_disk.write_bytes(base64.b64decode(data_url(56, 112, 5).partition(",")[2]))
+    image = Image.open(io.BytesIO(base64.b64decode(data_url(112, 56, 6).partition(",")[2])))
+    items: list[object] = [png, bytearray(png), on_disk, image, data_url(56, 56, 7)]
+    async with encoder_server(tiny) as (url, _, _), EncoderClient([url]) as client:
+        plan = client.plan("r", {"image": items})
+        (metadata,) = await client.encode(plan)
+        await client.release(plan.parts)
+    expected = tiny.preprocess(items, Modality.IMAGE)
+    assert metadata.token_counts == expected.token_counts
+    assert metadata.grid == expected.grid
+
+
+@pytest.mark.parametrize(
+    ("item", "said"),
+    [
+        (np.zeros(16_000, dtype=np.float32), "mm_items[1]: a NumPy waveform cannot be sent"),
+        (object(), "mm_items[1]: unsupported item type object"),
+    ],
+)
+async def test_an_item_that_cannot_travel_is_refused_naming_it(
+    item: object, said: str, tmp_path: Path
+) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    async with EncoderClient([url]) as client:
+        plan = client.plan("r", {"image": ["x", item]})
+        with pytest.raises(BadRequestError, match=re.escape(said)):
+            await client.encode_part(plan.parts[0])
+        missing = client.plan("s", {"image": [tmp_path / "missing.png"]})
+        with pytest.raises(BadRequestError, match=r"mm_items\[0\]: cannot read"):
+            await client.encode_part(missing.parts[0])

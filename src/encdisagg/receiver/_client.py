@@ -11,6 +11,7 @@ from typing import Any, Final
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import httpx
 
 from .. import _tracing
@@ -21,6 +22,7 @@ from ._groups import first_error
 from ._messages import PartMetadata
 from ._plan import PartPlan, RequestPlan, assign_parts
 from ._targets import SendTarget
+from ._wire_items import needs_conversion, wire_items
 
 __all__ = ["EncoderCallError", "EncoderClient", "ReleaseOutcome"]
 
@@ -254,12 +256,19 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         A checkpoint. Cancelling it abandons the HTTP call; the encoder may still finish the
         encode, so call :meth:`release` for the part afterwards.
 
+        The items are what :class:`~encdisagg.Encoder` takes: bytes, local paths and PIL
+        images travel as data URLs (converted in a worker thread).
+
+        :raises BadRequestError: naming the item that cannot travel over HTTP.
         :raises EncoderCallError: the encoder refused, failed, timed out, could not be
             reached, or answered for another part.
         """
+        items: list[object] = list(part.items)
+        if needs_conversion(items):
+            items = await anyio.to_thread.run_sync(wire_items, items)
         body = {
             "req_id": part.req_id,
-            "mm_items": list(part.items),
+            "mm_items": items,
             "modality": part.modality.value,
             "num_parts": part.num_parts,
             "part_idx": part.part_idx,
