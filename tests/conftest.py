@@ -22,6 +22,8 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# `encdisagg serve` processes the tests stop close at once; the drain tests set their delay.
+os.environ.setdefault("ENCDISAGG_DRAIN_DELAY", "0")
 
 BACKENDS = ("asyncio", "trio")
 

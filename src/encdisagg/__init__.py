@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ._config import EncoderConfig as EncoderConfig
 from ._errors import (
     BadRequestError as BadRequestError,
+    ConfigError as ConfigError,
     EncdisaggError as EncdisaggError,
     InternalError as InternalError,
     NotFoundError as NotFoundError,
@@ -67,6 +68,7 @@ __all__ = (
     "Preprocessed",
     "EncdisaggError",
     "BadRequestError",
+    "ConfigError",
     "NotFoundError",
     "RequestNotActiveError",
     "RequestTimeoutError",

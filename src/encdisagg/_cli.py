@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ._shell import add_commands as add_shell_commands
+from ._suggest import did_you_mean
 from ._version import __version__
 
 __all__ = ["build_parser", "main"]
@@ -18,6 +20,7 @@ __all__ = ["build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="encdisagg",
+        allow_abbrev=False,
         description=(
             "Encoder disaggregation for multimodal LLM serving: run vision encoders as their "
             "own service and ship embeddings to prefill instances."
@@ -28,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_demo(commands)
     _add_bench(commands)
+    add_shell_commands(commands)
     return parser
 
 
@@ -37,24 +41,33 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
         "serve",
+        allow_abbrev=False,
         help="run an encoder server (SGLang-style HTTP routes)",
         description=(
             "Serve an Encoder over HTTP (Quart on Hypercorn). Options come from --config "
             "(TOML: an [encoder] table of EncoderConfig keys and a [server] table of host, "
             "port, dp, worker_class, log_level, log_format, max_body_mb, health_timeout_s, "
             "freeze_heap); "
-            "flags win. "
+            "every flag is also an ENCDISAGG_<FLAG> environment variable (ENCDISAGG_PORT, "
+            "ENCDISAGG_MAX_BATCH_SIZE); a flag wins over the variable, the variable over the "
+            "file. Every invalid option is reported at once, before anything loads. "
             "SIGINT or SIGTERM shuts down gracefully."
         ),
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the flags, the environment and the config file, print what would serve, "
+        "and exit (0: valid; 2: every error)",
+    )
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port to bind; 0 picks a free one (default 8000)")
+    parser.add_argument("--port", help="port to bind; 0 picks a free one (default 8000)")
     parser.add_argument("--model", help="built-in model name (tiny, ...), 'null', or a folder")
-    parser.add_argument("--transfer", choices=("zmq", "mooncake", "loopback"))
-    parser.add_argument("--mooncake-protocol", choices=("tcp", "rdma"))
+    parser.add_argument("--transfer", metavar="{zmq,mooncake,loopback}")
+    parser.add_argument("--mooncake-protocol", metavar="{tcp,rdma}")
     parser.add_argument("--mooncake-metadata", metavar="URL", help="P2PHANDSHAKE or a URL")
-    parser.add_argument("--dp", type=int, help="data-parallel worker processes (default 1)")
+    parser.add_argument("--dp", help="data-parallel worker processes (default 1)")
     parser.add_argument(
         "--device", help="where the model runs: cpu (default), cuda, cuda:1, mps, xpu..."
     )
@@ -67,18 +80,18 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="one device per --dp worker, comma-separated: 0,1 (indexes of --device's type, "
         "CUDA by default) or cuda:0,cuda:1; default with --device cuda: cuda:RANK",
     )
-    parser.add_argument("--max-batch-size", type=int)
-    parser.add_argument("--request-timeout", type=float, metavar="SECONDS")
-    parser.add_argument("--send-timeout", type=float, metavar="SECONDS")
-    parser.add_argument("--prefix-cache-mb", type=int)
-    parser.add_argument("--staged-memory-limit-mb", type=int)
+    parser.add_argument("--max-batch-size")
+    parser.add_argument("--request-timeout", metavar="SECONDS")
+    parser.add_argument("--send-timeout", metavar="SECONDS")
+    parser.add_argument("--prefix-cache-mb")
+    parser.add_argument("--staged-memory-limit-mb")
     parser.add_argument(
         "--global-cache",
         metavar="URL",
         help="global embedding cache: mooncake://MASTER:PORT?metadata=URL[&...] (docs/cache.md)",
     )
-    parser.add_argument("--max-body-mb", type=int, help="largest request body (default 256)")
-    parser.add_argument("--health-timeout", type=float, metavar="SECONDS")
+    parser.add_argument("--max-body-mb", help="largest request body (default 256)")
+    parser.add_argument("--health-timeout", metavar="SECONDS")
     parser.add_argument(
         "--freeze-heap",
         action=argparse.BooleanOptionalAction,
@@ -86,7 +99,7 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="once the model is loaded, freeze what is alive (gc.freeze) so the garbage "
         "collector's full passes skip it (default on)",
     )
-    parser.add_argument("--worker-class", choices=("asyncio", "trio"), help="event loop")
+    parser.add_argument("--worker-class", metavar="{asyncio,trio}", help="event loop")
     parser.add_argument(
         "--api-key",
         metavar="KEY",
@@ -98,10 +111,10 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="HOSTS",
         help="comma-separated hosts and networks a /send or receive URL may name (403 otherwise)",
     )
-    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"))
+    parser.add_argument("--log-level", metavar="{debug,info,warning,error,critical}")
     parser.add_argument(
         "--log-format",
-        choices=("text", "json"),
+        metavar="{text,json}",
         help="log lines as text or one JSON object each (default text); both carry req_id",
     )
     parser.add_argument(
@@ -111,20 +124,18 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--registry-lease-ttl",
-        type=int,
         metavar="SECONDS",
         help="the registry lease: how long a dead server stays routable at most (default 5)",
     )
     parser.add_argument(
         "--grpc-port",
-        type=int,
         metavar="PORT",
         help="also serve SGLang's SglangEncoder gRPC service (with health and reflection) on "
         "--host:PORT; 0 picks a free one (needs the grpc extra; docs/sglang.md)",
     )
     parser.add_argument(
         "--wire",
-        choices=("encdisagg", "sglang"),
+        metavar="{encdisagg,sglang}",
         help="the routes' protocol: ours (default), or sglang: SGLang 0.5.20's language side "
         "uses this server as its encoder (--encoder-urls; docs/sglang.md)",
     )
@@ -138,6 +149,23 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--advertise-url",
         metavar="URL",
         help="the URL --register-with registers (default http://HOST:PORT of this server)",
+    )
+    parser.add_argument(
+        "--drain-delay",
+        metavar="SECONDS",
+        help="on SIGTERM: keep serving (readiness 503) this long before refusing new encodes "
+        "(default 5; 0 allowed)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        metavar="SECONDS",
+        help="on SIGTERM: after the delay, wait at most this long for admitted requests to be "
+        "delivered, released or expired (default 30)",
+    )
+    parser.add_argument(
+        "--ready-min-workers",
+        metavar="N",
+        help="with --dp: /health/ready answers 200 while at least N workers serve (default 1)",
     )
     parser.set_defaults(handler=_serve)
 
@@ -185,6 +213,11 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--new-tokens", type=int, metavar="N", help="tokens per request (8)")
     parser.add_argument("--seed", type=int, help="seed of images, prompts and aborts (0)")
     parser.add_argument("--encoders", type=int, help="encoder servers to start (2)")
+    parser.add_argument(
+        "--device",
+        help="where the encoder servers' vision towers run: cpu (default), cuda, cuda:1...; "
+        "the language models stay on the CPU",
+    )
     parser.add_argument("--concurrency", type=int, help="requests in flight at once (4)")
     parser.add_argument("--max-images", type=int, help="most images per request (3)")
     parser.add_argument(
@@ -256,9 +289,27 @@ def _bench(args: argparse.Namespace) -> int:
     return subprocess.call(command, cwd=folder)
 
 
+def _unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+    """Exit 2 naming each unrecognised argument, with the closest flag of its command."""
+    command = parser
+    if args.command is not None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                command = action.choices[args.command]
+    known = [flag for action in command._actions for flag in action.option_strings]
+    problems = [
+        f"unrecognized argument {word}{did_you_mean(word.partition('=')[0], known)}"
+        for word in extra
+        if word.startswith("-")
+    ] or [f"unrecognized arguments: {' '.join(extra)}"]
+    command.error("; ".join(problems))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unknown(parser, args, extra)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

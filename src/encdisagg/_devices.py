@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
-from ._errors import BadRequestError
+from ._errors import ConfigError
 
 __all__ = [
     "DEVICE_TYPES",
@@ -45,29 +45,29 @@ def check_device(device: object, field: str = "device") -> str:
     """``device`` if it names a device torch can place a model on (``"cpu"``, ``"cuda"``,
     ``"cuda:1"``, ``"mps"``, ``"xpu:0"``); does not check that the device exists. Not async.
 
-    :raises BadRequestError: naming ``field`` for anything else (``"tpu"``, ``"cuda:x"``).
+    :raises ConfigError: naming ``field`` for anything else (``"tpu"``, ``"cuda:x"``).
     """
     match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
     if match is None or match["type"] not in DEVICE_TYPES:
-        raise BadRequestError(
+        raise ConfigError(
             f"{field} must be one of {', '.join(DEVICE_TYPES)}, optionally with an index "
             f"(cuda:1); got {device!r}"
         )
     if match["type"] == "cpu" and match["index"] not in (None, "0"):
-        raise BadRequestError(f"{field}: cpu has no index {match['index']}; got {device!r}")
+        raise ConfigError(f"{field}: cpu has no index {match['index']}; got {device!r}")
     return device  # type: ignore[return-value]  # matched a str above
 
 
 def check_dtype(dtype: object, field: str = "dtype") -> None:
     """Accept ``None`` or a floating dtype name of :data:`DTYPE_NAMES`. Not async.
 
-    :raises BadRequestError: naming ``field`` for anything else.
+    :raises ConfigError: naming ``field`` for anything else.
     """
     if dtype is None:
         return
     name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else None
     if name not in DTYPE_NAMES:
-        raise BadRequestError(
+        raise ConfigError(
             f"{field} must be one of {', '.join(DTYPE_NAMES)} (or null); got {dtype!r}"
         )
 
@@ -83,7 +83,7 @@ def check_device_present(device: str, field: str = "device") -> None:
     visible devices). Other types are left to the model's loading. Blocks briefly (torch
     counts the devices once).
 
-    :raises BadRequestError: naming ``field`` and what is visible.
+    :raises ConfigError: naming ``field`` and what is visible.
     """
     match = _DEVICE.fullmatch(check_device(device, field))
     assert match is not None
@@ -91,9 +91,9 @@ def check_device_present(device: str, field: str = "device") -> None:
         return
     count = _cuda_count()
     if count == 0:
-        raise BadRequestError(f"{field}: {device!r} asked for, but torch sees no CUDA device")
+        raise ConfigError(f"{field}: {device!r} asked for, but torch sees no CUDA device")
     if match["index"] is not None and int(match["index"]) >= count:
-        raise BadRequestError(
+        raise ConfigError(
             f"{field}: {device!r} asked for, but torch sees {count} CUDA device(s) "
             f"(cuda:0..cuda:{count - 1})"
         )
@@ -109,14 +109,14 @@ def worker_devices(device: str, workers: int, devices: Sequence[str] | None) -> 
     every worker. Every CUDA device is checked to exist. Blocks briefly (see
     :func:`check_device_present`).
 
-    :raises BadRequestError: naming ``devices`` (or ``device``) for a wrong count, a bad
+    :raises ConfigError: naming ``devices`` (or ``device``) for a wrong count, a bad
         entry, a missing GPU, or more workers than GPUs when assigning them by default.
     """
     check_device(device)
     kind = device.partition(":")[0]
     if devices is not None:
         if len(devices) != workers:
-            raise BadRequestError(
+            raise ConfigError(
                 f"devices lists {len(devices)} device(s) for {workers} data-parallel "
                 f"worker(s); give one per worker (repeat one to share it)"
             )
@@ -128,7 +128,7 @@ def worker_devices(device: str, workers: int, devices: Sequence[str] | None) -> 
     elif kind == "cuda" and device == "cuda" and workers > 1:
         count = _cuda_count()
         if count < workers:
-            raise BadRequestError(
+            raise ConfigError(
                 f"devices: {workers} data-parallel workers on 'cuda' need a GPU each, but "
                 f"torch sees {count}; pass devices (--devices 0,0,1,1) to share GPUs"
             )

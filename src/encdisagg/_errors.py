@@ -11,6 +11,7 @@ from typing import ClassVar
 
 __all__ = [
     "BadRequestError",
+    "ConfigError",
     "EncdisaggError",
     "InternalError",
     "NotFoundError",
@@ -52,6 +53,16 @@ class BadRequestError(EncdisaggError):
     """Invalid fields, undecodable media, or input the preprocessor rejected (400)."""
 
     status = 400
+
+
+class ConfigError(BadRequestError, ValueError):
+    """An invalid configuration value (``EncoderConfig``, ``ServerSettings``, client options),
+    named with its field.
+
+    A :class:`ValueError`, so code that builds configurations catches it as the standard
+    "bad argument" error; a :class:`BadRequestError` (400) too, so a configuration sent in a
+    request body is answered as the client's mistake.
+    """
 
 
 class NotFoundError(EncdisaggError):

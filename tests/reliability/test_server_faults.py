@@ -1,5 +1,6 @@
 """Faults around the real server (Hypercorn, on asyncio and on Trio): clients that go away
-during ``/encode`` and ``/send``, and a data-parallel worker killed under load.
+during ``/encode`` (also at once, before their body was read) and ``/send``, and a
+data-parallel worker killed under load.
 
 Every call ends with an answer or a clear error within its bound, the Encoder holds nothing
 afterwards, and the server keeps serving.
@@ -7,6 +8,8 @@ afterwards, and the server keeps serving.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -77,6 +80,70 @@ async def test_clients_leaving_during_encode_leave_nothing_behind() -> None:
         # would have released a staged request.
         await wait_idle(encoder, bound_s=clients / 4 * model.forward_s + 3.0)
         await serves_normally(client, receiver, "after-encode-disconnects")
+        await wait_idle(encoder)
+
+
+def close_wait_sockets(port: int) -> int:
+    """This process's TCP sockets on local ``port`` in CLOSE-WAIT: connections their client
+    closed that the server has not closed yet."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/self/net/{table}") as lines:
+            next(lines)
+            for line in lines:
+                fields = line.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                # 08: CLOSE-WAIT.
+                if local_port == port and fields[3] == "08" and fields[9] in inodes:
+                    count += 1
+    return count
+
+
+async def wait_no_close_wait(port: int, bound_s: float) -> None:
+    with anyio.move_on_after(bound_s):
+        while close_wait_sockets(port):
+            await anyio.sleep(0.02)
+    assert close_wait_sockets(port) == 0, "connections the clients closed are still open"
+
+
+async def test_clients_leaving_at_once_after_encode_leave_nothing_behind() -> None:
+    """Each client sends its whole /encode and closes at once: the server reads the body and
+    the end of the connection together. Each request is noticed and released (those whose
+    forward had begun once it ends), and every connection closed, long before the send
+    deadline (60 s) would have released them."""
+    model = SlowNullModel(forward_s=0.2)
+    encoder = Encoder(fast_config(max_batch_size=8, send_timeout_s=60.0), model=model)
+    clients = 32
+    async with (
+        running_server(encoder) as url,
+        ZmqReceiver() as receiver,
+        httpx.AsyncClient(base_url=url, timeout=10.0) as client,
+    ):
+        address = httpx.URL(url)
+        assert address.port is not None
+
+        async def leave_at_once(index: int) -> None:
+            body = json.dumps({"req_id": f"left-{index}", "mm_items": ["x"]}).encode()
+            head = (
+                "POST /encode HTTP/1.1\r\nHost: encdisagg\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            stream = await anyio.connect_tcp(address.host, address.port)
+            await stream.send(head.encode() + body)
+            await stream.aclose()
+
+        async with anyio.create_task_group() as group:
+            for index in range(clients):
+                group.start_soon(leave_at_once, index)
+        await wait_idle(encoder, bound_s=clients / 8 * model.forward_s + 5.0)
+        await wait_no_close_wait(address.port, bound_s=5.0)
+        await serves_normally(client, receiver, "after-leaving-at-once")
         await wait_idle(encoder)
 
 

@@ -47,7 +47,12 @@ async def front(
         fast_config(model="null", **config),
         workers=workers,
         settings=ServerSettings(
-            dp=workers, worker_start_timeout_s=20, worker_stop_timeout_s=stop_s, health_timeout_s=2
+            dp=workers,
+            worker_start_timeout_s=20,
+            worker_stop_timeout_s=stop_s,
+            health_timeout_s=2,
+            # A dead worker stays dead here: these tests show what it leaves behind.
+            worker_restart_limit=0,
         ),
         worker_command=[sys.executable, SCRIPT, "--script", script, "--log", str(tmp_path)],
     )

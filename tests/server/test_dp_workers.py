@@ -57,7 +57,10 @@ async def encode(client: Client, req_id: str) -> int:
 
 async def test_two_workers(make_app: Callable[..., Quart]) -> None:
     config = fast_config(model="null", request_timeout_s=30, zmq_send_timeout_s=30)
-    app = make_app(config, dp=2, worker_start_timeout_s=120, worker_stop_timeout_s=10)
+    # Not started again: this test shows what a dead worker leaves (test_dp_restart: more).
+    app = make_app(
+        config, dp=2, worker_start_timeout_s=120, worker_stop_timeout_s=10, worker_restart_limit=0
+    )
     service = app.extensions["encdisagg"]
     nowhere = closed_port_url()
     async with running(app) as client:

@@ -238,7 +238,7 @@ def test_metrics_snapshot_wire_and_merge() -> None:
     assert merged.histograms["forward"].total == pytest.approx(4.0)
 
     server = ServerMetrics()
-    server.count_http("/encode", 200)
+    server.observe_http("/encode", 200, 0.01)
     server.update(ServiceSnapshot(merged, (WorkerStatus(0, True, 2), WorkerStatus(1, False, 0)), 3))
     text = server.render().decode()
     assert 'encdisagg_requests_total{modality="image",status="ok"} 4.0' in text

@@ -15,7 +15,12 @@ from quart import Quart
 
 from encdisagg import __version__
 from encdisagg.server import DataParallelBackend, ServerSettings
-from encdisagg.server._metrics import ServerMetrics
+from encdisagg.server._metrics import (
+    MetricsSnapshot,
+    ServerMetrics,
+    ServiceSnapshot,
+    WorkerStatus,
+)
 from encdisagg.server._process_metrics import read_process_stats, worker_process_families
 
 from ._helpers import fast_config, running
@@ -40,7 +45,7 @@ async def test_process_info_and_http_latency_by_route_and_status(
             await client.post("/encode", json={"req_id": "m1", "mm_items": ["x"]})
         ).status_code == 200
         assert (await client.post("/release", json={"req_id": "m1", "extra": 1})).status_code == 400
-        for path in ("/no/such/1", "/no/such/2", "/metrics?x=1"):
+        for path in ("/no/such/1", "/no/such/2", "/metrics?x=1", "/encode"):
             await client.get(path)
         text = (await (await client.get("/metrics")).get_data()).decode()
 
@@ -52,16 +57,19 @@ async def test_process_info_and_http_latency_by_route_and_status(
         f'worker_class="{anyio_backend_name}"}}': 1.0
     }
     counts = _samples(text, "encdisagg_http_request_duration_seconds_count")
-    assert counts['{route="/encode",status="200"}'] == 1
-    assert counts['{route="/release",status="400"}'] == 1
+    assert counts['{code="200",route="/encode"}'] == 1
+    assert counts['{code="400",route="/release"}'] == 1
     # Raw paths never become labels: every unknown path is one "unmatched" route.
-    assert counts['{route="unmatched",status="404"}'] == 2
-    assert counts['{route="/metrics",status="200"}'] == 1, "the query string is no route"
+    assert counts['{code="404",route="unmatched"}'] == 2
+    assert counts['{code="405",route="/encode"}'] == 1, "a wrong method is answered too"
+    assert counts['{code="200",route="/metrics"}'] == 1, "the query string is no route"
     assert not any("/no/such" in labels for labels in counts)
+    # The counter counts every answer the histogram timed, under the same labels.
+    assert _samples(text, "encdisagg_http_requests_total") == counts
     sums = _samples(text, "encdisagg_http_request_duration_seconds_sum")
-    assert sums['{route="/encode",status="200"}'] > 0
+    assert sums['{code="200",route="/encode"}'] > 0
     buckets = _samples(text, "encdisagg_http_request_duration_seconds_bucket")
-    assert buckets['{le="+Inf",route="/encode",status="200"}'] == 1
+    assert buckets['{code="200",le="+Inf",route="/encode"}'] == 1
 
 
 def test_the_info_outside_an_event_loop_and_without_workers() -> None:
@@ -115,3 +123,36 @@ async def test_each_worker_process_is_reported_once_under_its_rank(tmp_path: Pat
     assert len(_samples(text, "process_cpu_seconds_total")) == 1, "the front alone"
     # A worker that is gone (or not started) is left out, not reported as zero.
     assert list(worker_process_families([(0, None), (1, 2**31 - 1)]))[1].samples == []
+
+
+def _documented_families() -> set[str]:
+    """The metric names of docs/server.md's table, ``{a,b}`` alternatives spelled out."""
+    docs = Path(__file__).parents[2] / "docs" / "server.md"
+    names: set[str] = set()
+    for cell in re.findall(
+        r"^\| `(encdisagg_[^`{]*(?:\{[a-z_,]+\}[^`{]*)?)", docs.read_text(), re.M
+    ):
+        head, brace, rest = cell.partition("{")
+        if not brace:
+            names.add(head)
+            continue
+        options, _, tail = rest.partition("}")
+        if tail:  # `cache_{hits,misses}_total`: alternatives of the name
+            names.update(head + option + tail for option in options.split(","))
+        else:  # `requests_total{route,code}`: the name and its labels
+            names.add(head)
+    return names
+
+
+def test_the_docs_table_lists_exactly_the_families_served() -> None:
+    metrics = ServerMetrics()
+    metrics.update(
+        ServiceSnapshot(MetricsSnapshot.merge([]), (WorkerStatus(0, True, 0, pid=os.getpid()),), 0)
+    )
+    text = metrics.render().decode()
+    served = {
+        name.removesuffix("_total") if kind == "counter" else name
+        for name, kind in re.findall(r"^# TYPE (encdisagg_\S+) (\S+)$", text, re.M)
+    }
+    documented = {name.removesuffix("_total") for name in _documented_families()}
+    assert served == documented

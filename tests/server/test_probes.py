@@ -75,7 +75,14 @@ async def test_not_ready_while_a_data_parallel_worker_is_down(
     make_app: Callable[..., Quart],
 ) -> None:
     config = fast_config(model="null")
-    app = make_app(config, dp=2, worker_start_timeout_s=120, worker_stop_timeout_s=10)
+    app = make_app(
+        config,
+        dp=2,
+        worker_start_timeout_s=120,
+        worker_stop_timeout_s=10,
+        ready_min_workers=2,
+        worker_restart_limit=0,
+    )
     service = app.extensions["encdisagg"]
     async with running(app) as client:
         backend = service.backend
@@ -87,5 +94,8 @@ async def test_not_ready_while_a_data_parallel_worker_is_down(
         # The front's watcher sees the exit; wait for that event, not for time.
         with anyio.fail_after(30):
             await backend._workers[1].exited.wait()
-        assert await _ready(client) == (503, "not ready: data-parallel worker 1 down")
+        assert await _ready(client) == (
+            503,
+            "not ready: data-parallel worker 1 down (1 of 2 serve; 2 needed)",
+        )
         assert (await client.get("/health/live")).status_code == 200

@@ -130,5 +130,7 @@ def test_log_format_flag_and_toml_key(tmp_path: Path) -> None:
     path.write_text('[server]\nlog_format = "json"\n')
     assert resolve(parse(["serve", "--config", str(path)])).log_format == "json"
     path.write_text('[server]\nlog_format = "xml"\n')
-    with pytest.raises(UsageError, match="--log-format must be one of text, json"):
+    with pytest.raises(
+        UsageError, match=r"server\.log_format must be one of text, json; got 'xml'"
+    ):
         resolve(parse(["serve", "--config", str(path)]))

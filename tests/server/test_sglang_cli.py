@@ -68,6 +68,6 @@ def test_invalid_combinations_name_the_flag(argv: tuple[str, ...], match: str) -
         resolved(*argv)
 
 
-def test_argparse_refuses_an_unknown_wire() -> None:
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--wire", "grpc"])
+def test_an_unknown_wire_is_refused_naming_the_flag() -> None:
+    with pytest.raises(UsageError, match="--wire: wire must be one of encdisagg, sglang"):
+        resolved("--wire", "grpc")

@@ -3,6 +3,9 @@ sockets, on asyncio and Trio: who fails with it, who does not, and who moves on.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import anyio
 import pytest
 import torch
@@ -124,3 +127,56 @@ async def test_a_send_released_before_another_failure_closed_its_socket_succeeds
     assert outcome == ["sent"]
     assert bytes(frames[1]) == tensor.numpy().tobytes()
     receiver.close(linger=0)
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _until(condition: Callable[[], bool], bound_s: float = 5.0) -> None:
+    """Wait (bounded) until ``condition()`` holds."""
+    with anyio.fail_after(bound_s):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
+async def test_a_receiver_that_went_away_costs_no_socket_after_its_first_refusal() -> None:
+    """Receivers that took a push and then closed: ZMQ's next connection attempt to each is
+    refused, and the pool closes each socket (and its monitor) then, not at the idle sweep
+    a minute later. A receiver that stays keeps its socket."""
+    small = torch.ones(4, 16).half()
+    async with ZmqPushPool(idle_timeout_s=600) as pool, ZmqReceiver() as staying:
+        await pool.send(staying.url, image_header("stay", 4), payload_view(small))
+        await staying.receive()
+        before = _open_descriptors()
+        gone: list[str] = []
+        for index in range(8):
+            async with ZmqReceiver() as receiver:
+                await pool.send(receiver.url, image_header(f"r{index}", 4), payload_view(small))
+                assert (await receiver.receive()).header.req_id == f"r{index}"
+            gone.append(receiver.url)
+        await _until(lambda: pool.endpoints == {staying.url})
+        # ZMQ's reaper thread closes a closed socket's descriptors a moment later.
+        await _until(lambda: _open_descriptors() <= before)
+        await pool.send(staying.url, image_header("still", 4), payload_view(small))
+        assert (await staying.receive()).header.req_id == "still"
+
+
+async def test_a_send_waiting_for_a_receiver_not_listening_yet_keeps_its_socket() -> None:
+    """Refusals while a send waits for its receiver do not close the socket under it: the
+    receiver binds, and the message arrives."""
+    url = free_tcp_url()
+    small = torch.ones(4, 16).half()
+    async with ZmqPushPool(send_timeout_s=30) as pool:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(pool.send, url, image_header("late", 4), payload_view(small))
+                # Refused at least once, and still there.
+                await _until(lambda: url in pool.endpoints)
+                connection = pool._connections[url]
+                await _until(lambda: connection.refused)
+                assert pool.endpoints == {url}
+                async with ZmqReceiver(url) as receiver:
+                    assert (await receiver.receive()).header.req_id == "late"
+                    await _until(lambda: not connection.refused)
+                    assert pool.endpoints == {url}

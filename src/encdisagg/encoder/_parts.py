@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import AsyncExitStack
 
 from .._config import EncoderConfig
@@ -18,6 +19,9 @@ from ..transfer import TransferEngine
 from ._events import EncoderEvents
 
 __all__ = ["global_cache_settings", "load_configured_model", "open_engine", "open_global_cache"]
+
+# Startup progress: a large model takes a while, and the server logs each step.
+_log = logging.getLogger("encdisagg.encoder")
 
 
 async def global_cache_settings(config: EncoderConfig) -> GlobalCacheSettings | None:
@@ -44,9 +48,13 @@ async def load_configured_model(config: EncoderConfig) -> VisionModel:
             max_media_bytes=config.max_media_bytes,
             remote_media_domains=config.remote_media_domains,
             allow_local_files=config.allow_local_files,
+            preprocess=config.preprocess,
         )
 
-    return await run_thread_to_completion(load)
+    _log.info("loading model %s on %s", config.model, config.device)
+    model = await run_thread_to_completion(load)
+    _log.info("model %s loaded", config.model)
+    return model
 
 
 async def open_engine(config: EncoderConfig, stack: AsyncExitStack) -> TransferEngine | None:
@@ -54,6 +62,7 @@ async def open_engine(config: EncoderConfig, stack: AsyncExitStack) -> TransferE
     if config.transfer == "mooncake":
         from ..transfer import MooncakeEngine
 
+        _log.info("opening the Mooncake transfer engine (%s)", config.mooncake_protocol)
         engine: TransferEngine = await stack.enter_async_context(
             MooncakeEngine(
                 hostname=config.mooncake_host,

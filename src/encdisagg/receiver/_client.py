@@ -15,7 +15,7 @@ import anyio.to_thread
 import httpx
 
 from .. import _tracing
-from .._errors import BadRequestError, EncdisaggError, ServiceUnavailableError
+from .._errors import BadRequestError, ConfigError, EncdisaggError, ServiceUnavailableError
 from .._modality import Modality
 from ._fleet import EncoderFleet
 from ._groups import first_error
@@ -174,12 +174,12 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         #: The discovered fleet, when built with a registry; plans then come from it.
         self.fleet = registry
         if registry is not None and urls:
-            raise BadRequestError("pass urls or a registry, not both")
+            raise ConfigError("pass urls or a registry, not both")
         if registry is None and (isinstance(urls, str) or not urls):
-            raise BadRequestError("urls must be a non-empty list of encoder URLs")
+            raise ConfigError("urls must be a non-empty list of encoder URLs")
         for url in urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise BadRequestError(f"urls: {url!r} is not an http(s) URL")
+                raise ConfigError(f"urls: {url!r} is not an http(s) URL")
         for name, value in (
             ("encode_timeout_s", encode_timeout_s),
             ("send_timeout_s", send_timeout_s),
@@ -187,7 +187,7 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
             ("connect_timeout_s", connect_timeout_s),
         ):
             if not value > 0:
-                raise BadRequestError(f"{name} must be a positive number; got {value!r}")
+                raise ConfigError(f"{name} must be a positive number; got {value!r}")
         self._urls = tuple(url.rstrip("/") for url in urls)
         self._encode_timeout_s = encode_timeout_s
         self._send_timeout_s = send_timeout_s
@@ -195,7 +195,7 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
         if api_key is not None and (not api_key.isascii() or not api_key.isprintable()):
-            raise BadRequestError("api_key must be visible ASCII")
+            raise ConfigError("api_key must be visible ASCII")
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._transport = transport
         self._client: httpx.AsyncClient | None = None

@@ -7,63 +7,85 @@
 - :func:`serve`: run an app with Hypercorn on the current event loop.
 - :class:`EncoderMetrics` / :class:`ServerMetrics`: Prometheus metrics, per app.
 - :class:`LocalBackend` / :class:`DataParallelBackend`: what the routes call.
+
+The names load on first use: ``encdisagg serve`` checks its options (``ServerSettings``
+included) before torch and the model code are imported, so a bad value answers at once.
 """
 
-from ._app import (
-    EncoderService as EncoderService,
-    create_app as create_app,
-    create_trio_app as create_trio_app,
-    mount_encoder as mount_encoder,
-)
-from ._backend import (
-    Backend as Backend,
-    HealthReport as HealthReport,
-    LocalBackend as LocalBackend,
-)
-from ._dp import DataParallelBackend as DataParallelBackend
-from ._messages import (
-    EncodeBody as EncodeBody,
-    MetadataBody as MetadataBody,
-    ReceiveUrlBody as ReceiveUrlBody,
-    ReleaseBody as ReleaseBody,
-    SendBody as SendBody,
-)
-from ._metrics import (
-    EncoderMetrics as EncoderMetrics,
-    MetricsSnapshot as MetricsSnapshot,
-    ServerMetrics as ServerMetrics,
-    ServiceSnapshot as ServiceSnapshot,
-    WorkerStatus as WorkerStatus,
-)
-from ._runner import bind_socket as bind_socket, serve as serve
-from ._settings import ServerSettings as ServerSettings
+from __future__ import annotations
 
-__all__ = (
-    "create_app",
-    "create_trio_app",
-    "mount_encoder",
-    "serve",
-    "bind_socket",
-    "ServerSettings",
-    "EncoderService",
-    "Backend",
-    "LocalBackend",
-    "DataParallelBackend",
-    "HealthReport",
-    "EncoderMetrics",
-    "ServerMetrics",
-    "MetricsSnapshot",
-    "ServiceSnapshot",
-    "WorkerStatus",
-    "EncodeBody",
-    "SendBody",
-    "ReceiveUrlBody",
-    "MetadataBody",
-    "ReleaseBody",
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
-for _name in __all__:
-    _value = globals()[_name]
-    if isinstance(_value, type) or callable(_value):
-        _value.__module__ = __name__
-del _name, _value
+if TYPE_CHECKING:
+    from ._app import (
+        EncoderService as EncoderService,
+        create_app as create_app,
+        create_trio_app as create_trio_app,
+        mount_encoder as mount_encoder,
+    )
+    from ._backend import (
+        Backend as Backend,
+        HealthReport as HealthReport,
+        LocalBackend as LocalBackend,
+    )
+    from ._dp import DataParallelBackend as DataParallelBackend
+    from ._listen import bind_socket as bind_socket
+    from ._messages import (
+        EncodeBody as EncodeBody,
+        MetadataBody as MetadataBody,
+        ReceiveUrlBody as ReceiveUrlBody,
+        ReleaseBody as ReleaseBody,
+        SendBody as SendBody,
+    )
+    from ._metrics import (
+        EncoderMetrics as EncoderMetrics,
+        MetricsSnapshot as MetricsSnapshot,
+        ServerMetrics as ServerMetrics,
+        ServiceSnapshot as ServiceSnapshot,
+        WorkerStatus as WorkerStatus,
+    )
+    from ._runner import serve as serve
+    from ._settings import ServerSettings as ServerSettings
+
+#: Each public name -> the private module that defines it.
+_LAZY = {
+    "create_app": "._app",
+    "create_trio_app": "._app",
+    "mount_encoder": "._app",
+    "EncoderService": "._app",
+    "serve": "._runner",
+    "bind_socket": "._listen",
+    "ServerSettings": "._settings",
+    "Backend": "._backend",
+    "LocalBackend": "._backend",
+    "HealthReport": "._backend",
+    "DataParallelBackend": "._dp",
+    "EncoderMetrics": "._metrics",
+    "ServerMetrics": "._metrics",
+    "MetricsSnapshot": "._metrics",
+    "ServiceSnapshot": "._metrics",
+    "WorkerStatus": "._metrics",
+    "EncodeBody": "._messages",
+    "SendBody": "._messages",
+    "ReceiveUrlBody": "._messages",
+    "MetadataBody": "._messages",
+    "ReleaseBody": "._messages",
+}
+
+__all__ = tuple(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'encdisagg.server' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    if isinstance(value, type) or callable(value):
+        value.__module__ = __name__
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,12 +16,15 @@ import hmac
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final, Self
+from typing import TYPE_CHECKING, Final, Self
 
 from .._errors import BadRequestError, EncdisaggError
-from ..encoder import Destination, ZmqDestination
 from ._fields import MAX_TEXT_CHARS, split_host_port
 from ._json import shown
+
+if TYPE_CHECKING:
+    # Imported when used: the command line validates settings before torch is imported.
+    from ..encoder import Destination
 
 __all__ = ["ApiKey", "ForbiddenError", "PeerAllowList", "is_loopback_host"]
 
@@ -145,6 +148,8 @@ class PeerAllowList:
 
         :raises ForbiddenError: naming the field (``session_id`` or ``receive_url``).
         """
+        from ..encoder import ZmqDestination
+
         if isinstance(destination, ZmqDestination):
             endpoint = destination.url.removeprefix("tcp://")
             self.check(field or "receive_url", endpoint, req_id=req_id)

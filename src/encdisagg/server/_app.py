@@ -30,6 +30,7 @@ from ..encoder import Encoder
 from ..nurseries import run_thread_to_completion
 from ._access import ApiKey, PeerAllowList
 from ._backend import Backend, LocalBackend
+from ._client_watch import ClientWatch, note_staged, read_body
 from ._dp import DataParallelBackend
 from ._grpc_serving import grpc_beside
 from ._json import decode_body, shown
@@ -113,6 +114,10 @@ class EncoderService:
         self._backend: Backend | None = None
         #: A drain began: readiness is false from then on.
         self.draining = False
+        #: The drain's delay passed: new encodes are answered 503 (``encdisagg serve``).
+        self.refusing_encodes = False
+        #: A second signal stopped the server at once: what it cut short was dropped.
+        self.stopped_at_once = False
         self._decode_limiter: anyio.CapacityLimiter | None = None
         key = self.settings.api_key
         self._api_key = None if key is None else ApiKey(key)
@@ -172,6 +177,21 @@ class EncoderService:
         requests still get served until the server stops."""
         self.draining = True
 
+    def refuse_encodes(self) -> None:
+        """Answer new encodes 503 (with ``Retry-After``) from now on; calls for requests
+        already admitted are still served. Not async (``encdisagg serve``'s drain)."""
+        self.draining = True
+        self.refusing_encodes = True
+
+    def _admit(self, route: str, body: object) -> None:
+        """:raises ServiceUnavailableError: a new encode while the drain refuses them."""
+        if route == "/encode" and self.refusing_encodes:
+            req_id = body.get("req_id") if isinstance(body, dict) else None
+            raise ServiceUnavailableError(
+                "the server is draining: it takes no new encodes; send this one to another encoder",
+                req_id=req_id if isinstance(req_id, str) else None,
+            )
+
     def _require_backend(self) -> Backend:
         if self._backend is None:
             raise ServiceUnavailableError("the encoder service is not running")
@@ -186,13 +206,13 @@ class EncoderService:
             ):
                 response = _error_response(401, "missing or wrong API key", None)
                 response.headers["WWW-Authenticate"] = "Bearer"
-                self.metrics.count_http(route, 401)
                 return response
             _require_json_type()
             body = await _read_json(self.settings.max_body_bytes, self._decode_limiter)
             if isinstance(body, dict):
                 note_req_id(body.get("req_id"))
             backend = self._require_backend()
+            self._admit(route, body)
             response = _json_response(await call(self, backend, body))
         except EncdisaggError as exc:
             note_req_id(exc.req_id)
@@ -202,7 +222,6 @@ class EncoderService:
         except Exception:
             _log.exception("%s failed unexpectedly", route)
             response = _error_response(500, "internal server error", None)
-        self.metrics.count_http(route, response.status_code)
         return response
 
     async def health(self) -> Response:
@@ -219,12 +238,10 @@ class EncoderService:
                 response = _json_response({"status": "ok", "probed": report.probed})
             else:
                 response = _error_response(503, _public(report.message), None)
-        self.metrics.count_http("/health", response.status_code)
         return response
 
     async def live(self) -> Response:
         """``GET /health/live``: 200 while the process serves requests at all."""
-        self.metrics.count_http("/health/live", 200)
         return _json_response({"status": "ok"})
 
     async def ready(self) -> Response:
@@ -235,7 +252,6 @@ class EncoderService:
             response = _json_response({"status": "ok"})
         else:
             response = _error_response(503, problem, None)
-        self.metrics.count_http("/health/ready", response.status_code)
         return response
 
     async def render_metrics(self) -> Response:
@@ -246,7 +262,6 @@ class EncoderService:
                 self.metrics.update(await backend.snapshot())
             except Exception:
                 _log.exception("collecting metrics failed; serving the previous ones")
-        self.metrics.count_http("/metrics", 200)
         response: Response = current_app.response_class(
             self.metrics.render(), status=200, content_type=_PROMETHEUS_TEXT
         )
@@ -258,7 +273,9 @@ _Route = Callable[[EncoderService, Backend, object], Awaitable[object]]
 
 async def _encode(service: EncoderService, backend: Backend, body: object) -> object:
     message = EncodeBody.from_json(body)
-    return result_json(await backend.encode(message), message.part_idx)
+    result = await backend.encode(message)
+    note_staged(message.req_id)  # released if the client leaves before the answer
+    return result_json(result, message.part_idx)
 
 
 async def _send(service: EncoderService, backend: Backend, body: object) -> object:
@@ -334,8 +351,7 @@ async def _read_json(limit: int, limiter: anyio.CapacityLimiter | None) -> objec
     """
     if request.content_length is not None and request.content_length > limit:
         raise RequestEntityTooLarge()
-    data = await request.get_data(cache=False)
-    assert isinstance(data, bytes)
+    data = await read_body()
     if len(data) > limit:
         raise RequestEntityTooLarge()
     if not data.strip():
@@ -435,11 +451,21 @@ def mount_encoder(
     if service.settings.wire == "sglang":
         paths.append("/health_generate")
     app.asgi_app = AccessLog(  # type: ignore[method-assign,assignment]
-        ServiceLifespan(app.asgi_app, service),
+        ClientWatch(ServiceLifespan(app.asgi_app, service, loop=_loop_of(app)), service),
         routes=[prefix + path for path in paths],
         observe=service.metrics.observe_http,
+        dropped=lambda: service.stopped_at_once,
     )
     return service
+
+
+def _loop_of(app: Quart) -> Literal["asyncio", "trio"]:
+    """The event loop ``app``'s class runs on."""
+    try:
+        from quart_trio import QuartTrio
+    except ImportError:  # the trio extra is not installed: no app can be a QuartTrio
+        return "asyncio"
+    return "trio" if isinstance(app, QuartTrio) else "asyncio"
 
 
 def create_app(

@@ -6,7 +6,8 @@ Ownership::
      ├─ temp dir + ZMQ context   ipc:// endpoints, removed on exit
      └─ service group
           ├─ result listener     decodes replies; drops malformed ones, keeps listening
-          └─ one watcher per worker process: awaits its exit, fails its calls with 503
+          ├─ one watcher per worker process: awaits its exit, fails its calls with 503
+          └─ a restart per dead worker: backoff, fresh channels, a new process
 
 The parts, one file each: :mod:`._dp_workers` starts, watches and stops the processes;
 :mod:`._dp_routing` decides (synchronously) which worker takes an encode and where a
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import anyio
+import anyio.lowlevel
 import sniffio
 import zmq
 
@@ -70,7 +72,9 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
       control channel, to cancel it; an encode or send also tells it to release the
       request.
     - A worker that exits fails its unanswered calls with 503; calls for the requests it
-      held answer 503; ``/health`` answers 503 until the service restarts.
+      held answer 503 (also once it runs again: they are lost); ``/health`` answers 503
+      until it is back. It is started again with backoff, at most
+      ``settings.worker_restart_limit`` times within ``worker_restart_window_s``.
 
     ``async with`` starts the workers and returns once each reported ready (its Encoder is
     open); leaving stops them (a ``stop`` message, then SIGTERM, then SIGKILL, each step
@@ -108,6 +112,8 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         cfg = config
         self._router = Router(self._workers, ttl_s=2 * cfg.request_timeout_s + cfg.send_timeout_s)
         self._results: IpcSocket | None = None
+        #: Where a restarted worker's channels are made (set while running).
+        self._channel_source: tuple[zmq.Context[Any], Path] | None = None
         #: Messages from workers dropped as malformed.
         self.malformed_messages = 0
         stop = self.settings.worker_stop_timeout_s
@@ -119,6 +125,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                 stop if stop is not None else cfg.shutdown_grace_s + cfg.cleanup_timeout_s + 5.0
             ),
             on_exit=self._on_exit,
+            channels=self._new_channels,
         )
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -139,6 +146,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
             directory = Path(tempfile.mkdtemp(prefix="encdisagg-dp-", dir="/tmp"))
         context: zmq.Context[Any] = zmq.Context()
         results_url = f"ipc://{directory}/results"
+        self._channel_source = (context, directory)
         try:
             self._results = IpcSocket(context, zmq.PULL, results_url, bind=True)
             for rank in range(self._size):
@@ -188,6 +196,19 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
 
     def _on_exit(self, worker: DpWorker, message: str) -> None:
         self._pending.fail_rank(worker.rank, message)
+        # What it held died with it, also once the rank runs again.
+        self._router.orphan(worker.rank)
+
+    def _new_channels(self, worker: DpWorker) -> tuple[IpcSocket, IpcSocket]:
+        """Work and control channels for a new process of ``worker``'s rank: new
+        endpoints, so nothing queued for the dead process reaches the new one."""
+        assert self._channel_source is not None
+        context, directory = self._channel_source
+        suffix = f"{worker.rank}-{worker.restarts + 1}"
+        return (
+            IpcSocket(context, zmq.PUSH, f"ipc://{directory}/work-{suffix}", bind=True),
+            IpcSocket(context, zmq.PUSH, f"ipc://{directory}/control-{suffix}", bind=True),
+        )
 
     # -- the result listener ------------------------------------------------------------------
 
@@ -234,8 +255,16 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         limit_s: float,
         release_on_abort: bool = False,
     ) -> Any:
-        """:meth:`PendingCalls.call` on worker ``rank``, if it is alive. A checkpoint."""
-        worker = self._workers[rank].require_alive(req_id)
+        """:meth:`PendingCalls.call` on worker ``rank``, if it is alive and (for a call on
+        a request) still the process that took it. A checkpoint."""
+        worker = self._workers[rank]
+        if op != "encode" and req_id is not None and self._router.is_lost(req_id):
+            raise ServiceUnavailableError(
+                f"{worker.describe()}, which held req_id {req_id!r}, died: the request is "
+                "lost; encode it again",
+                req_id=req_id,
+            )
+        worker.require_alive(req_id)
         return await self._pending.call(
             worker, op, args, req_id=req_id, limit_s=limit_s, release_on_abort=release_on_abort
         )
@@ -294,7 +323,8 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     async def release(self, req_id: str) -> None:
         """Release on the worker holding the request; unknown ids are a no-op. A checkpoint."""
         rank = self._router.route_of(req_id)
-        if rank is None:
+        if rank is None or self._router.is_lost(req_id):
+            await anyio.lowlevel.checkpoint()
             return
         await self._call(
             rank,

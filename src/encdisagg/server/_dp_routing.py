@@ -3,7 +3,8 @@
 Synchronous decisions (DESIGN §2): an encode goes to the live worker with the fewest
 unanswered calls (round-robin among ties), unless a worker already holds its ``req_id``;
 every later call for that ``req_id`` follows it there. Routes expire, so the table stays
-bounded; only :meth:`Router.wait_route` awaits.
+bounded; only :meth:`Router.wait_route` awaits. When a worker dies, its routes are marked
+lost: a restarted process of that rank does not hold them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class RoutedWorker(Protocol):
 class _Route:
     rank: int
     expires_at: float
+    #: The worker that held it died: the request is gone.
+    lost: bool = False
 
 
 class Router:
@@ -73,8 +76,8 @@ class Router:
             del self._routes[req_id]
             self._published.remove(req_id)
 
-    def _set(self, req_id: str, rank: int) -> None:
-        self._routes[req_id] = _Route(rank, anyio.current_time() + self._ttl_s)
+    def _set(self, req_id: str, rank: int, *, lost: bool = False) -> None:
+        self._routes[req_id] = _Route(rank, anyio.current_time() + self._ttl_s, lost)
         self._routes.move_to_end(req_id)
         if self._published.get(req_id) != rank:
             self._published.publish(req_id, rank)
@@ -85,7 +88,7 @@ class Router:
         route = self._routes.get(req_id)
         if route is None:
             return None
-        self._set(req_id, route.rank)
+        self._set(req_id, route.rank, lost=route.lost)
         return route.rank
 
     def route_encode(self, req_id: str) -> int:
@@ -124,6 +127,17 @@ class Router:
             raise RequestTimeoutError(
                 f"req_id {req_id!r} did not appear within {timeout_s} s", req_id=req_id
             ) from None
+
+    def orphan(self, rank: int) -> None:
+        """Worker ``rank`` died: mark the requests routed to it lost. Not a checkpoint."""
+        for req_id, route in list(self._routes.items()):
+            if route.rank == rank and not route.lost:
+                self._routes[req_id] = _Route(rank, route.expires_at, lost=True)
+
+    def is_lost(self, req_id: str) -> bool:
+        """Whether ``req_id`` was held by a worker that died since. Not a checkpoint."""
+        route = self._routes.get(req_id)
+        return route is not None and route.lost
 
     def peek(self, req_id: str) -> int | None:
         """The rank ``req_id`` is routed to, without refreshing the route. Not a checkpoint."""

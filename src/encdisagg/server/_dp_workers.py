@@ -3,7 +3,9 @@
 Workers are spawned as ``python -m encdisagg.server._worker`` (a fresh interpreter: no
 inherited event loop, threads or CUDA state, and no pickle on the way in; the Encoder config
 travels as a JSON file). They are started before the service is reported up and stopped on
-exit: a ``stop`` message, then SIGTERM, then SIGKILL, each step bounded.
+exit: a ``stop`` message, then SIGTERM, then SIGKILL, each step bounded. A worker that dies
+while the service runs is started again on fresh channels, with backoff, until its rank
+died too often (:mod:`._dp_restarts`); then the front gives up on it and says so.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import anyio.abc
 
 from .._errors import ServiceUnavailableError
 from ..nurseries import ServiceTaskGroup
+from ._dp_restarts import RestartPolicy
 from ._ipc import ControlMessage, IpcSocket
 from ._settings import ServerSettings
 
@@ -59,6 +62,10 @@ class DpWorker:
     #: Set once the worker reported ready or exited, whichever came first.
     settled: anyio.Event = field(default_factory=anyio.Event)
     exited: anyio.Event = field(default_factory=anyio.Event)
+    #: How often this rank's process was started again.
+    restarts: int = 0
+    #: The front gave up restarting it.
+    given_up: bool = False
 
     def describe(self) -> str:
         return f"data-parallel worker {self.rank}" + (f" (pid {self.pid})" if self.pid else "")
@@ -84,6 +91,19 @@ class DpWorker:
         self.startup_failure = reason
         self.failure_reported.set()
         self.settled.set()
+
+    def renew(self, work: IpcSocket, control: IpcSocket) -> None:
+        """Start over on fresh channels, for a new process of this rank. Synchronous."""
+        self.work, self.control = work, control
+        self.process = None
+        self.pid = None
+        self.alive = False
+        self.exit_code = None
+        self.startup_failure = None
+        self.failure_reported = anyio.Event()
+        self.settled = anyio.Event()
+        self.exited = anyio.Event()
+        self.restarts += 1
 
     def require_alive(self, req_id: str | None) -> DpWorker:
         """This worker, if it is alive.
@@ -112,6 +132,8 @@ class WorkerSupervisor:
 
     :param on_exit: called (synchronously) when a worker exits, with the worker and the
         message its unanswered calls fail with.
+    :param channels: fresh work and control channels for a new process of a rank; without
+        it, a worker that dies is not restarted.
     """
 
     def __init__(
@@ -122,12 +144,20 @@ class WorkerSupervisor:
         settings: ServerSettings,
         stop_timeout_s: float,
         on_exit: Callable[[DpWorker, str], None],
+        channels: Callable[[DpWorker], tuple[IpcSocket, IpcSocket]] | None = None,
     ) -> None:
         self._workers = workers
         self._command = list(command)
         self._settings = settings
         self._stop_timeout_s = stop_timeout_s
         self._on_exit = on_exit
+        self._channels = channels
+        self._policy = RestartPolicy(
+            limit=settings.worker_restart_limit, window_s=settings.worker_restart_window_s
+        )
+        #: What starting a rank again needs: results URL, backend, task group; config files.
+        self._spawn_args: tuple[str, str, ServiceTaskGroup] | None = None
+        self._config_files: dict[int, Path] = {}
         #: Set once stopping began: exits from then on are expected.
         self.stopping = False
         #: Set once every worker reported ready: exits from then on are deaths.
@@ -143,6 +173,8 @@ class WorkerSupervisor:
         group: ServiceTaskGroup,
     ) -> None:
         """Start ``worker``'s process and its watcher (in ``group``). A checkpoint."""
+        self._spawn_args = (results_url, backend_name, group)
+        self._config_files[worker.rank] = config_file
         settings = self._settings
         command = [
             *self._command,
@@ -243,8 +275,60 @@ class WorkerSupervisor:
             _log.debug("%s", message)
         else:
             message = f"{worker.describe()} died (exit code {code})"
+            if worker.startup_failure is not None:
+                message += f" as it started again: {worker.startup_failure}"
             _log.error("%s", message)
         self._on_exit(worker, message)
+        if self._all_ready and not self.stopping:
+            self._plan_restart(worker)
+
+    def _plan_restart(self, worker: DpWorker) -> None:
+        """Start a dead worker again after its backoff, or give up on it. Synchronous."""
+        delay = self._policy.on_death(worker.rank, anyio.current_time())
+        if delay is None or self._channels is None or self._spawn_args is None:
+            worker.given_up = True
+            _log.error(
+                "giving up on data-parallel worker %s: it died %s time(s) within %s s; the "
+                "other workers go on serving",
+                worker.rank,
+                self._policy.restarts(worker.rank) + 1,
+                self._settings.worker_restart_window_s,
+            )
+            return
+        group = self._spawn_args[2]
+        group.start_soon(self._restart, worker, delay, name=f"restart worker {worker.rank}")
+
+    async def _restart(self, worker: DpWorker, delay_s: float) -> None:
+        await anyio.sleep(delay_s)
+        if self.stopping:
+            return
+        assert self._channels is not None
+        assert self._spawn_args is not None
+        results_url, backend_name, group = self._spawn_args
+        worker.renew(*self._channels(worker))
+        _log.warning("starting %s again (restart %d)", worker.describe(), worker.restarts)
+        try:
+            # Shielded: a process started must be watched, whatever cancels this task.
+            with anyio.CancelScope(shield=True):
+                await self.spawn(
+                    worker,
+                    results_url=results_url,
+                    config_file=self._config_files[worker.rank],
+                    backend_name=backend_name,
+                    group=group,
+                )
+        except OSError as exc:
+            _log.error("could not start %s again: %s", worker.describe(), exc)
+            self._exited(worker, -1)
+            return
+        if not self.stopping:
+            with anyio.move_on_after(self._settings.worker_start_timeout_s):
+                await worker.settled.wait()
+        if self.stopping or (not worker.alive and not worker.has_exited()):
+            # Not ready in time (or no longer wanted): its exit is a death like any other.
+            assert worker.process is not None
+            with suppress(ProcessLookupError):
+                worker.process.send_signal(signal.SIGKILL)
 
     async def stop(self) -> None:
         """Stop every worker: a stop message, then SIGTERM, then SIGKILL (each bounded).

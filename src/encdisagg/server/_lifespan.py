@@ -1,7 +1,10 @@
 """The app's lifespan runs inside the encoder service: open first, closed last.
 
 A startup failure is answered with ``lifespan.startup.failed`` carrying the error's message
-(the server prints it in one line); the traceback is logged at debug level only.
+(the server prints it in one line); the traceback is logged at debug level only. So is an app
+served by the other event loop than its class runs on (a Quart app under a Trio worker, a
+QuartTrio app under asyncio): such an app starts, then fails every request, so it is refused
+before the service opens.
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+import sniffio
 
 __all__ = ["ServiceLifespan"]
 
@@ -27,12 +32,42 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-class ServiceLifespan:
-    """ASGI middleware: runs the app's lifespan inside ``service.open()``."""
+def _loop_mismatch(expected: str | None) -> str | None:
+    """Why the running event loop cannot serve an app built for ``expected``, if it cannot."""
+    if expected is None:
+        return None
+    try:
+        running = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return None
+    if running == expected:
+        return None
+    built = "a QuartTrio app" if expected == "trio" else "a Quart app"
+    other = "hypercorn -k trio" if expected == "trio" else "hypercorn -k asyncio (or uvloop)"
+    article = "an" if running[0] in "aeiou" else "a"
+    return (
+        f"{built} cannot be served by {article} {running} worker: every request would fail; "
+        f"serve it with {other}"
+    )
 
-    def __init__(self, app: Callable[..., Awaitable[None]], service: _Service) -> None:
+
+class ServiceLifespan:
+    """ASGI middleware: runs the app's lifespan inside ``service.open()``.
+
+    :param loop: the event loop the app's class runs on (``"asyncio"`` for Quart, ``"trio"``
+        for QuartTrio); a server running another fails the startup in one line.
+    """
+
+    def __init__(
+        self,
+        app: Callable[..., Awaitable[None]],
+        service: _Service,
+        *,
+        loop: Literal["asyncio", "trio"] | None = None,
+    ) -> None:
         self._app = app
         self._service = service
+        self._loop = loop
 
     async def __call__(
         self,
@@ -66,6 +101,11 @@ class ServiceLifespan:
 
         if first["type"] != "lifespan.startup":
             await self._app(scope, inner_receive, send)
+            return
+        mismatch = _loop_mismatch(self._loop)
+        if mismatch is not None:
+            _log.error("%s", mismatch)
+            await send({"type": "lifespan.startup.failed", "message": f"encdisagg: {mismatch}"})
             return
         try:
             async with self._service.open():

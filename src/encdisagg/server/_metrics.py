@@ -350,15 +350,13 @@ class ServerMetrics:
         # workers' own come from the front's scrape of their /proc entries.
         ProcessCollector(registry=self.registry)
 
-    def count_http(self, route: str, code: int) -> None:
-        """Count one answered request. Not async."""
+    def observe_http(self, route: str, code: int, seconds: float) -> None:
+        """Count one answered HTTP request and record its time, from its arrival until its
+        response ended, under its route template and status code. Every answer goes
+        through here (the access middleware's), so the counter and the histogram agree.
+        Not async."""
         key = (route, str(code))
         self._http[key] = self._http.get(key, 0) + 1
-
-    def observe_http(self, route: str, status: int, seconds: float) -> None:
-        """Record one request's time, from its arrival until its response ended, under its
-        route template and status. Not async."""
-        key = (route, str(status))
         histogram = self._http_latency.get(key)
         if histogram is None:
             histogram = self._http_latency[key] = _Histogram()
@@ -444,8 +442,8 @@ class ServerMetrics:
         )
         latency = HistogramMetricFamily(
             "encdisagg_http_request_duration_seconds",
-            "Time from a request's arrival until its response ended, by route and status.",
-            labels=["route", "status"],
+            "Time from a request's arrival until its response ended, by route and status code.",
+            labels=["route", "code"],
         )
         for (route, status), hist in sorted(self._http_latency.items()):
             latency.add_metric([route, status], _buckets(hist), hist.total)

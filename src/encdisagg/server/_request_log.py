@@ -3,7 +3,8 @@
 An ASGI middleware around the app. It gives each request a fresh
 :class:`~._logs.RequestContext` in the context variable before the app runs, so the routes'
 records carry the ``req_id`` they decoded, and logs the line once the response ended (also
-when the client went away or the request was cancelled: status 499 then, as nginx does).
+when the client went away or the request was cancelled: status 499 then, as nginx does; or
+444, "dropped by the server", when the server itself was stopped at once).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ ACCESS_LOGGER: Final = "encdisagg.server.access"
 _UNMATCHED: Final = "unmatched"
 #: Status shown when no response started: the client left, or the server stopped it.
 _NO_RESPONSE: Final = 499
+#: Status shown when no response started because the server was stopped at once (nginx's
+#: "closed without a response").
+_DROPPED: Final = 444
 
 _log = logging.getLogger(ACCESS_LOGGER)
 
@@ -33,6 +37,8 @@ class AccessLog:
     :param routes: the paths logged as themselves; any other is logged as ``unmatched``.
     :param observe: called with each request's route (as logged), status and duration in
         seconds once it ended (the HTTP latency histogram); must not block.
+    :param dropped: whether the server is being stopped at once: a request that ends
+        without a response then is logged as dropped by the server (444), not 499.
     """
 
     def __init__(
@@ -41,10 +47,12 @@ class AccessLog:
         routes: Collection[str],
         *,
         observe: Callable[[str, int, float], None] | None = None,
+        dropped: Callable[[], bool] | None = None,
     ) -> None:
         self._app = app
         self._routes = frozenset(routes)
         self._observe = observe
+        self._dropped = dropped
 
     async def __call__(
         self,
@@ -70,6 +78,9 @@ class AccessLog:
             await self._app(scope, receive, watched_send)
         finally:
             seconds = time.perf_counter() - started
+            note = ""
+            if status == _NO_RESPONSE and self._dropped is not None and self._dropped():
+                status, note = _DROPPED, " dropped by the server"
             duration_ms = round(seconds * 1000, 3)
             path = scope.get("path", "")
             route = path if path in self._routes else _UNMATCHED
@@ -77,11 +88,12 @@ class AccessLog:
                 self._observe(route, status, seconds)
             method = str(scope.get("method", ""))
             _log.info(
-                "%s %s %s %.1fms",
+                "%s %s %s %.1fms%s",
                 method,
                 route,
                 status,
                 duration_ms,
+                note,
                 extra={
                     "method": method,
                     "route": route,

@@ -20,26 +20,12 @@ import sniffio
 from hypercorn.config import Config as HypercornConfig
 
 from ._eof_close import install_eof_close
+from ._listen import bind_socket
 from ._read_turns import install_read_turns, read_turns_from_env
 
 __all__ = ["bind_socket", "serve"]
 
 _log = logging.getLogger("encdisagg.server")
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: a free port).
-
-    :raises OSError: if the address cannot be bound.
-    """
-    sock = socket.create_server(
-        (host, port),
-        family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-        reuse_port=False,
-        backlog=1024,
-    )
-    sock.setblocking(False)
-    return sock
 
 
 def _drop_running_on(record: logging.LogRecord) -> bool:

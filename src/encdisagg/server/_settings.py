@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from .._devices import check_device
-from .._errors import BadRequestError
+from .._errors import ConfigError
 from ..registry import parse_registry_url
 from ._access import ApiKey, PeerAllowList
 
@@ -16,7 +16,7 @@ __all__ = ["ServerSettings"]
 class ServerSettings:
     """How the server around the Encoder behaves (the Encoder itself: ``EncoderConfig``).
 
-    Invalid values raise :class:`~encdisagg.BadRequestError` naming the field.
+    Invalid values raise :class:`~encdisagg.ConfigError` naming the field.
     """
 
     #: Data-parallel worker processes; 1 runs the Encoder in the server's own process.
@@ -75,33 +75,51 @@ class ServerSettings:
     register_with: str | None = None
     #: The URL registered there (``encdisagg serve``: ``http://HOST:PORT`` of its own).
     advertise_url: str | None = None
+    #: ``encdisagg serve``'s drain: once the first SIGINT/SIGTERM turned readiness false and
+    #: withdrew the registry key, the listener stays open this long (0 allowed) while
+    #: encodes are still admitted, so probes and load balancers see the 503 first.
+    drain_delay_s: float = 5.0
+    #: Bound on the drain: after the delay, the server waits for the requests it admitted
+    #: (delivered, released or expired) at most this long, then closes.
+    drain_timeout_s: float = 30.0
+    #: Data parallel: ``/health/ready`` answers 200 while at least this many workers serve
+    #: (all of them, when there are fewer).
+    ready_min_workers: int = 1
+    #: Data parallel: a worker that dies is restarted (with backoff) at most this many times
+    #: within ``worker_restart_window_s``; then the front gives up on its rank (0: never).
+    worker_restart_limit: int = 5
+    worker_restart_window_s: float = 60.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("dp", "max_body_bytes", "worker_max_inflight"):
+            if f.name in ("dp", "max_body_bytes", "worker_max_inflight", "ready_min_workers"):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise BadRequestError(f"{f.name} must be an integer >= 1; got {value!r}")
+                    raise ConfigError(f"{f.name} must be an integer >= 1; got {value!r}")
             elif f.name.endswith("_s"):
                 if value is None and f.name == "worker_stop_timeout_s":
                     continue
+                if f.name == "drain_delay_s":
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                        raise ConfigError(f"drain_delay_s must be a number >= 0; got {value!r}")
+                    continue
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                    raise BadRequestError(f"{f.name} must be a positive number; got {value!r}")
+                    raise ConfigError(f"{f.name} must be a positive number; got {value!r}")
         if not isinstance(self.freeze_heap, bool):
-            raise BadRequestError(f"freeze_heap must be true or false; got {self.freeze_heap!r}")
+            raise ConfigError(f"freeze_heap must be true or false; got {self.freeze_heap!r}")
         if self.worker_backend not in (None, "asyncio", "trio"):
-            raise BadRequestError(
+            raise ConfigError(
                 f"worker_backend must be asyncio, trio or null; got {self.worker_backend!r}"
             )
         if self.worker_log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-            raise BadRequestError(f"worker_log_level is not a log level: {self.worker_log_level!r}")
+            raise ConfigError(f"worker_log_level is not a log level: {self.worker_log_level!r}")
         if self.worker_log_format not in ("text", "json"):
-            raise BadRequestError(
+            raise ConfigError(
                 f"worker_log_format must be text or json; got {self.worker_log_format!r}"
             )
         if self.worker_devices is not None:
             if len(self.worker_devices) != self.dp:
-                raise BadRequestError(
+                raise ConfigError(
                     f"worker_devices lists {len(self.worker_devices)} device(s) for dp={self.dp}"
                 )
             for device in self.worker_devices:
@@ -111,29 +129,32 @@ class ServerSettings:
         peers: object = self.allowed_peers
         # A lone string would otherwise be read as a list of one-character hosts.
         if isinstance(peers, str):
-            raise BadRequestError("allowed_peers must be a list of hosts or networks")
+            raise ConfigError("allowed_peers must be a list of hosts or networks")
         if self.allowed_peers is not None:
             PeerAllowList.parse(self.allowed_peers)
         if self.registry is not None:
             parse_registry_url(self.registry)
         if isinstance(self.registry_lease_ttl_s, float) or self.registry_lease_ttl_s < 2:
-            raise BadRequestError("registry_lease_ttl_s must be an integer >= 2")
+            raise ConfigError("registry_lease_ttl_s must be an integer >= 2")
         grpc_port: object = self.grpc_port
         if grpc_port is not None and (
             isinstance(grpc_port, bool)
             or not isinstance(grpc_port, int)
             or not 0 <= grpc_port <= 65535
         ):
-            raise BadRequestError(f"grpc_port must be an integer in [0, 65535]; got {grpc_port!r}")
+            raise ConfigError(f"grpc_port must be an integer in [0, 65535]; got {grpc_port!r}")
         if not isinstance(self.grpc_host, str) or not self.grpc_host:
-            raise BadRequestError("grpc_host must be a non-empty host name or address")
+            raise ConfigError("grpc_host must be a non-empty host name or address")
         if self.wire not in ("encdisagg", "sglang"):
-            raise BadRequestError(f"wire must be encdisagg or sglang; got {self.wire!r}")
+            raise ConfigError(f"wire must be encdisagg or sglang; got {self.wire!r}")
         for name in ("register_with", "advertise_url"):
             url: object = getattr(self, name)
             if url is not None and (
                 not isinstance(url, str) or not url.startswith(("http://", "https://"))
             ):
-                raise BadRequestError(f"{name} must be an http(s):// URL; got {url!r}")
+                raise ConfigError(f"{name} must be an http(s):// URL; got {url!r}")
         if self.register_with is not None and self.wire != "sglang":
-            raise BadRequestError("register_with needs wire='sglang'")
+            raise ConfigError("register_with needs wire='sglang'")
+        limit: object = self.worker_restart_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ConfigError(f"worker_restart_limit must be an integer >= 0; got {limit!r}")

@@ -40,6 +40,7 @@ from .._errors import (
     BadRequestError,
     EncdisaggError,
     InternalError,
+    RequestNotActiveError,
     RequestTimeoutError,
     TransferError,
     TransferTimeoutError,
@@ -53,6 +54,7 @@ from ..transfer._sglang_frames import SglangPart, sglang_header
 from ..transfer._sglang_push import SglangPusher
 from ._access import PeerAllowList
 from ._backend import Backend, LocalBackend
+from ._client_watch import note_staged
 from ._messages import MetadataBody, ReceiveUrlBody
 from ._sglang_bodies import SglangEncodeBody, SglangSendBody, metadata_answer
 from ._sglang_destinations import PushDestinations
@@ -130,6 +132,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
             ttl_s=config.request_timeout_s + config.send_timeout_s
         )
         self._mooncake_parts: OrderedDict[str, _MooncakePart] = OrderedDict()
+        #: ZMQ-mode parts whose ``/encode`` is in flight here.
+        self._encoding: set[str] = set()
         #: Which of SGLang's video fields the model's parts fill (known once open).
         self._video_fields: VideoFields | None = None
 
@@ -162,6 +166,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
         modes), then its error raised. Cancelled, the part is released (shielded).
 
         :raises BadRequestError: bad fields or media (SGLang: 400 / INVALID_ARGUMENT).
+        :raises RequestNotActiveError: the part is live already (409); the live part is
+            left as it was: no error part is pushed for the refused duplicate.
         :raises EncdisaggError: anything else (SGLang: its status / INTERNAL).
         """
         message = SglangEncodeBody.from_json(body)
@@ -172,6 +178,21 @@ class SglangService(anyio.AsyncContextManagerMixin):
                 self._check_peer("embedding_port", url, request.req_id)
         if self.mooncake:
             return await self._encode_mooncake(message, body)
+        if request.req_id in self._encoding:
+            # A duplicate of a part in flight: refused without an error part, which would
+            # reach (and fail) the live part's receivers.
+            raise RequestNotActiveError(
+                f"req_id {request.req_id!r} is live already", req_id=request.req_id
+            )
+        self._encoding.add(request.req_id)
+        try:
+            await self._encode_zmq(message)
+        finally:
+            self._encoding.discard(request.req_id)
+        return None
+
+    async def _encode_zmq(self, message: SglangEncodeBody) -> None:
+        request = message.encode
         try:
             result = await self._backend.encode(request)
         except EncdisaggError as exc:
@@ -310,12 +331,20 @@ class SglangService(anyio.AsyncContextManagerMixin):
         self, message: SglangEncodeBody, body: Mapping[str, object]
     ) -> object:
         request = message.encode
-        self._remember(request.req_id, request.num_parts, message.modality)
+        req_id = request.req_id
+        # A refused duplicate must leave the live part's entry as it was.
+        previous = self._mooncake_parts.get(req_id)
+        mine = self._remember(req_id, request.num_parts, message.modality)
         try:
             result = await self._backend.encode(request)
         except BaseException:
-            self._mooncake_parts.pop(request.req_id, None)
+            if self._mooncake_parts.get(req_id) is mine:
+                if previous is None:
+                    del self._mooncake_parts[req_id]
+                else:
+                    self._mooncake_parts[req_id] = previous
             raise
+        note_staged(req_id)  # released if the client leaves before the answer
         answer = {key: value for key, value in body.items() if key != "mm_items"}
         answer.update(
             embedding_size=result.nbytes,
@@ -324,7 +353,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
         )
         return answer
 
-    def _remember(self, req_id: str, num_parts: int, modality: Modality) -> None:
+    def _remember(self, req_id: str, num_parts: int, modality: Modality) -> _MooncakePart:
         now = anyio.current_time()
         ttl = self._config.request_timeout_s + self._config.send_timeout_s
         parts = self._mooncake_parts
@@ -333,8 +362,9 @@ class SglangService(anyio.AsyncContextManagerMixin):
             if now - oldest.created <= ttl and len(parts) < _MAX_PARTS:
                 break
             parts.popitem(last=False)
-        parts[req_id] = _MooncakePart(num_parts, modality, now)
+        part = parts[req_id] = _MooncakePart(num_parts, modality, now)
         parts.move_to_end(req_id)
+        return part
 
     async def _relay(self, req_id: str) -> ReceivedPart:
         """The staged part's bytes, by way of the Encoder's own push (see ``_sglang_relay``)."""

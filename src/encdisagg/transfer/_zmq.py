@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Final, cast, final
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import zmq
 
@@ -20,7 +21,7 @@ from ._holds import Hold
 from ._wire import EmbeddingHeader, check_payload, encode_header
 from ._zmq_curve import CurveClient
 from ._zmq_release import send_signalled, wait_released
-from ._zmq_socket import Connection, wait_room
+from ._zmq_socket import Connection, wait_room, watch_refusals
 
 __all__ = ["ZmqPushPool"]
 
@@ -69,7 +70,10 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         and counts as sent although it may never leave.
     :param idle_timeout_s: inside ``async with``, a socket no send used for this long is
         closed within another ``idle_timeout_s`` (a copied message that waited in its queue
-        all that time is dropped); the next send to it connects afresh.
+        all that time is dropped); the next send to it connects afresh. With ``immediate``
+        on, a socket whose peer refuses a connection (a receiver that went away) is closed
+        at once instead, unless sends are using it (then as soon as the last one is done,
+        unless a connection completed meanwhile).
     :param max_endpoints: how many sockets the pool keeps: connecting to one more endpoint
         first closes the least recently used socket no send is using. Only while every
         socket is in use does the pool grow past it.
@@ -123,6 +127,8 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         # send to finish once aclose() waits for them.
         self._running_sends: set[anyio.CancelScope] = set()
         self._sends_done: anyio.Event | None = None
+        #: Inside ``async with``: where each socket's monitor is watched (``immediate`` only).
+        self._watchers: anyio.abc.TaskGroup | None = None
 
     @property
     def endpoints(self) -> frozenset[str]:
@@ -269,9 +275,14 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             with collapse_single_error():
                 async with anyio.create_task_group() as sweeper:
                     sweeper.start_soon(self._close_idle_connections)
+                    if self._immediate:
+                        # Nothing is queued without a completed connection: a socket whose
+                        # peer refuses holds nothing, and is closed at once.
+                        self._watchers = sweeper
                     try:
                         yield self
                     finally:
+                        self._watchers = None
                         sweeper.cancel_scope.cancel()
         finally:
             await self.aclose()
@@ -328,7 +339,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
                 raise TransferError(f"{what} failed: {exc}") from exc
             finally:
                 if tracker is None:
-                    connection.users -= 1
+                    self._done_with(connection)
         connection.used = True
         released_at_once = tracker.done
         if not released_at_once:
@@ -338,8 +349,8 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
                 connection, tracker, what, on_still_held, 0 if payload is None else payload.nbytes
             )
         finally:
-            connection.users -= 1
             connection.held.discard(tracker)
+            self._done_with(connection)
         if released_at_once:
             await anyio.lowlevel.cancel_shielded_checkpoint()
 
@@ -434,7 +445,22 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             raise TransferError(f"{what}: cannot connect: {exc}") from exc
         connection = Connection(url, sock, fd)
         self._connections[url] = connection
+        if self._watchers is not None:
+            connection.watch()
+            self._watchers.start_soon(watch_refusals, connection, self._refused)
         return connection
+
+    def _refused(self, connection: Connection) -> None:
+        # Its peer refused a connection (went away, or never listened): ZMQ would retry
+        # every 100 ms until the idle sweep. Unused, the socket goes now; else after its
+        # last send (_done_with).
+        if connection.users == 0 and not connection.lock.locked():
+            self._evict(connection)
+
+    def _done_with(self, connection: Connection) -> None:
+        connection.users -= 1
+        if connection.refused:
+            self._refused(connection)
 
     def _make_room(self) -> None:
         # Close the least recently used socket no send uses (one idle for a sweep first).

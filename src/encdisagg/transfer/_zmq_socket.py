@@ -2,17 +2,27 @@
 
 ZMQ's ``ZMQ_FD`` is edge-triggered and signals *any* state change (readable or writable), so
 ``ZMQ_EVENTS`` is read before every wait and again after every wake-up.
+
+A PUSH socket whose peer went away reconnects every ``ZMQ_RECONNECT_IVL`` (100 ms) for as
+long as it is open. Its monitor (``zmq_socket_monitor``, over an inproc PAIR socket) reports
+each refused attempt, so the pool can close such a socket at the first one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, Final, cast
 
 import anyio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["Connection", "wait_events", "wait_room"]
+__all__ = ["Connection", "wait_events", "wait_room", "watch_refusals"]
+
+#: The monitor events a push socket reports: a connection attempt failed (ZMQ retries it),
+#: or one completed.
+_MONITORED: Final = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED
 
 
 async def wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
@@ -66,16 +76,30 @@ class Connection:
     # dropped with the queue. A payload released before the close had left whole (ZMQ lets
     # go of a frame once it is written to the kernel), so its send did not fail.
     dropped: frozenset[zmq.MessageTracker] = frozenset()
+    # The socket's monitor (see watch_refusals) and its descriptor, if it is watched.
+    monitor: zmq.Socket[Any] | None = None
+    monitor_fd: int = -1
+    # Set by a refused connection attempt, cleared by a completed connection.
+    refused: bool = False
+
+    def watch(self) -> None:
+        """Start the socket's monitor (for :func:`watch_refusals`). Not a checkpoint."""
+        self.monitor = self.socket.get_monitor_socket(_MONITORED)
+        self.monitor_fd = cast(int, self.monitor.getsockopt(zmq.FD))
 
     def break_off(self) -> None:
-        """Close the socket with linger 0 (ZMQ drops its queue); idempotent. Not a
-        checkpoint. A send waiting for room on it is woken (and sees ``broken``)."""
+        """Close the socket with linger 0 (ZMQ drops its queue), and its monitor;
+        idempotent. Not a checkpoint. A send waiting for room on it is woken (and sees
+        ``broken``), and so is its monitor's watcher."""
         if self.broken:
             return
         self.broken = True
         self.dropped = frozenset(tracker for tracker in self.held if not tracker.done)
         anyio.notify_closing(self.fd)
         self.socket.close(linger=0)
+        if self.monitor is not None:
+            anyio.notify_closing(self.monitor_fd)
+            self.monitor.close(linger=0)
 
     def lost(self, tracker: zmq.MessageTracker) -> bool:
         """Whether closing the socket dropped the message ``tracker`` tracks."""
@@ -85,3 +109,30 @@ class Connection:
     def idle(self) -> bool:
         """No send uses the socket and nothing was queued on it since the last sweep."""
         return self.users == 0 and not self.used and not self.lock.locked()
+
+
+async def watch_refusals(connection: Connection, on_refused: Callable[[Connection], None]) -> None:
+    """Follow ``connection``'s monitor until the socket is closed: each refused (or
+    otherwise failed) connection attempt sets ``refused`` and calls ``on_refused``; a
+    completed connection clears it. Start :meth:`Connection.watch` first.
+
+    A checkpoint; returns once the connection was broken off. Cancelled, it leaves the
+    monitor open (``break_off`` closes it).
+    """
+    monitor, fd = connection.monitor, connection.monitor_fd
+    assert monitor is not None
+    try:
+        while not connection.broken:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                await wait_events(monitor, fd, zmq.POLLIN)
+                continue
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                connection.refused = False
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                connection.refused = True
+                on_refused(connection)
+    except (anyio.ClosedResourceError, zmq.ZMQError):
+        pass  # closed under it (a ZMQError: closed between two of its calls)

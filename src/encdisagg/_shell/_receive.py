@@ -1,0 +1,81 @@
+"""``encdisagg receive``: a ZMQ PULL endpoint that prints each embedding part it receives."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from typing import TextIO
+
+import anyio
+import torch
+
+from .._errors import EncdisaggError
+from ..transfer import ReceivedPart, ZmqReceiver
+
+__all__ = ["describe", "payload_bytes", "run_receive"]
+
+
+def describe(part: ReceivedPart) -> dict[str, object]:
+    """What one received part says about itself, and a digest of its bytes."""
+    header = part.header
+    line: dict[str, object] = {
+        "req_id": header.req_id,
+        "part": f"{header.part_idx + 1}/{header.num_parts}",
+        "modality": header.modality,
+    }
+    if part.tensor is None:
+        line["error"] = header.error
+        line["status"] = header.status
+        return line
+    digest = hashlib.sha256(payload_bytes(part.tensor)).hexdigest()
+    line.update(
+        shape=list(header.shape),
+        dtype=header.dtype,
+        bytes=part.tensor.numel() * part.tensor.element_size(),
+        tokens=list(header.token_counts),
+        sha256=digest[:16],
+    )
+    return line
+
+
+def payload_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's bytes as they travelled (any dtype, bfloat16 included)."""
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def run_receive(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
+    """The command: 0 once it stopped (count reached, idle, Ctrl-C), 1 if binding failed."""
+    out = out or sys.stdout
+    try:
+        anyio.run(_receive, args, out, backend=args.backend)
+    except KeyboardInterrupt:
+        pass
+    except EncdisaggError as exc:
+        print(f"encdisagg receive: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _receive(args: argparse.Namespace, out: TextIO) -> None:
+    async with ZmqReceiver(args.bind) as receiver:
+        print(f"receiving on {receiver.url}", file=out, flush=True)
+        received = 0
+        while args.count is None or received < args.count:
+            with anyio.move_on_after(args.timeout_s or float("inf")) as idle:
+                try:
+                    part = await receiver.receive()
+                except EncdisaggError as exc:  # a malformed message: said, then the next one
+                    print(f"malformed message: {exc}", file=out, flush=True)
+                    continue
+            if idle.cancelled_caught:
+                print(f"idle for {args.timeout_s:g} s: stopping", file=out, flush=True)
+                return
+            received += 1
+            fields = describe(part)
+            if args.json:
+                print(json.dumps(fields), file=out, flush=True)
+            else:
+                text = "  ".join(f"{key}={value}" for key, value in fields.items())
+                print(text.replace(", ", ","), file=out, flush=True)
