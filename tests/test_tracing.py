@@ -80,6 +80,7 @@ def test_a_server_span_continues_the_callers_traceparent(
         with inner.span("child"):
             assert _tracing.outgoing_headers()[_tracing.TRACEPARENT].startswith(f"00-{TRACE_ID}-")
         _tracing.set_status(server, 503)
+        assert server.trace_id == TRACE_ID, "what the access line shows"
     child, span = exporter.get_finished_spans()
     assert span.name == "POST /encode"
     assert hex_ids(span) == (TRACE_ID, "b7ad6b7169203331")

@@ -17,16 +17,19 @@ from pathlib import Path
 from typing import Any, Self
 
 from ._devices import check_device, check_dtype
-from ._errors import BadRequestError
+from ._errors import BadRequestError, ConfigError
+from ._model_names import unknown_name_problem
 
 __all__ = ["EncoderConfig"]
 
 TRANSFERS = ("zmq", "mooncake", "loopback")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+#: How image preprocessing runs: the fast ``uint8`` path, or transformers' processor itself.
+PREPROCESS_MODES = ("fast", "reference")
 
 
 def _check_type(name: str, value: object, annotation: object) -> None:
-    """Raise ``BadRequestError`` naming ``name`` if ``value`` does not fit ``annotation``."""
+    """Raise ``ConfigError`` naming ``name`` if ``value`` does not fit ``annotation``."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
@@ -34,32 +37,32 @@ def _check_type(name: str, value: object, annotation: object) -> None:
         for option in options:
             try:
                 _check_type(name, value, option)
-            except BadRequestError as exc:
+            except ConfigError as exc:
                 errors.append(exc)
             else:
                 return
         raise errors[0]
     if annotation is type(None):
         if value is not None:
-            raise BadRequestError(f"{name} must be null, got {type(value).__name__}")
+            raise ConfigError(f"{name} must be null, got {type(value).__name__}")
         return
     if origin is tuple:
         if not isinstance(value, (tuple, list)):
-            raise BadRequestError(f"{name} must be a list, got {type(value).__name__}")
+            raise ConfigError(f"{name} must be a list, got {type(value).__name__}")
         (item_type, _ellipsis) = typing.get_args(annotation)
         for index, item in enumerate(value):
             _check_type(f"{name}[{index}]", item, item_type)
         return
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise BadRequestError(f"{name} must be a number, got {type(value).__name__}")
+            raise ConfigError(f"{name} must be a number, got {type(value).__name__}")
         return
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise BadRequestError(f"{name} must be an integer, got {type(value).__name__}")
+            raise ConfigError(f"{name} must be an integer, got {type(value).__name__}")
         return
     if isinstance(annotation, type) and not isinstance(value, annotation):
-        raise BadRequestError(
+        raise ConfigError(
             f"{name} must be of type {annotation.__name__}, got {type(value).__name__}"
         )
 
@@ -70,11 +73,16 @@ class EncoderConfig:
 
     Construct it directly (keyword arguments), from a mapping with :meth:`from_mapping`, or from
     a TOML file with :meth:`from_toml`. Invalid values raise
-    :class:`~encdisagg.BadRequestError` naming the field.
+    :class:`~encdisagg.ConfigError` naming the field.
     """
 
     #: A built-in model name (``"tiny"``, ``"tiny-qwen2.5-vl"``) or a local checkpoint folder.
     model: str = "tiny"
+    #: How images (and video frames) are preprocessed: ``"fast"`` resizes in ``uint8`` with
+    #: torch's antialiased kernels and patchifies and normalises in one pass (grids equal the
+    #: processor's; pixel values within 0.05 of its); ``"reference"`` runs transformers'
+    #: processor itself, bit for bit (see docs/models.md).
+    preprocess: str = "fast"
     #: How embeddings leave the encoder: ``"zmq"``, ``"mooncake"`` or ``"loopback"``.
     transfer: str = "zmq"
     #: Most requests of one modality fused into one forward.
@@ -172,16 +180,23 @@ class EncoderConfig:
             if isinstance(value, list):
                 object.__setattr__(self, f.name, tuple(value))
         if self.transfer not in TRANSFERS:
-            raise BadRequestError(
+            raise ConfigError(
                 f"transfer must be one of {', '.join(TRANSFERS)}; got {self.transfer!r}"
             )
         if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
-            raise BadRequestError(
+            raise ConfigError(
                 f"mooncake_protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}; "
                 f"got {self.mooncake_protocol!r}"
             )
         if not self.model:
-            raise BadRequestError("model must be a non-empty name or path")
+            raise ConfigError("model must be a non-empty name or path")
+        unknown_model = unknown_name_problem(self.model)
+        if unknown_model is not None:
+            raise ConfigError(unknown_model)
+        if self.preprocess not in PREPROCESS_MODES:
+            raise ConfigError(
+                f"preprocess must be one of {', '.join(PREPROCESS_MODES)}; got {self.preprocess!r}"
+            )
         # Named here, not when the encoder opens: a typo fails where it was written.
         check_device(self.device)
         check_dtype(self.dtype)
@@ -193,7 +208,7 @@ class EncoderConfig:
             "max_media_bytes",
         ):
             if getattr(self, name) < 1:
-                raise BadRequestError(f"{name} must be at least 1; got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
         for name in (
             "request_timeout_s",
             "send_timeout_s",
@@ -203,52 +218,53 @@ class EncoderConfig:
         ):
             value = getattr(self, name)
             if not value > 0 or value != value:
-                raise BadRequestError(f"{name} must be a positive number; got {value}")
+                raise ConfigError(f"{name} must be a positive number; got {value}")
         if self.zmq_max_endpoints < 1:
-            raise BadRequestError(
-                f"zmq_max_endpoints must be at least 1; got {self.zmq_max_endpoints}"
-            )
+            raise ConfigError(f"zmq_max_endpoints must be at least 1; got {self.zmq_max_endpoints}")
         if not self.zmq_idle_timeout_s > 0:
-            raise BadRequestError(
+            raise ConfigError(
                 f"zmq_idle_timeout_s must be a positive number; got {self.zmq_idle_timeout_s}"
             )
         if self.zmq_curve_server_key is not None or self.zmq_curve_server_keys:
-            self.zmq_push_options()  # a malformed key fails here, naming its field
+            try:
+                self.zmq_push_options()  # a malformed key fails here, naming its field
+            except BadRequestError as exc:
+                raise ConfigError(exc.message) from None
         if not 0 <= self.mooncake_poll_on_loop_s < math.inf:
-            raise BadRequestError(
+            raise ConfigError(
                 "mooncake_poll_on_loop_s must be 0 or a positive number; "
                 f"got {self.mooncake_poll_on_loop_s}"
             )
         if self.prefix_cache_mb < 0:
-            raise BadRequestError(f"prefix_cache_mb must be 0 or more; got {self.prefix_cache_mb}")
+            raise ConfigError(f"prefix_cache_mb must be 0 or more; got {self.prefix_cache_mb}")
         if self.staging_arena_mb is not None and self.staging_arena_mb < 0:
-            raise BadRequestError(
+            raise ConfigError(
                 f"staging_arena_mb must be 0 or more, or null; got {self.staging_arena_mb}"
             )
         if self.staged_memory_limit_mb is not None and self.staged_memory_limit_mb < 1:
-            raise BadRequestError(
+            raise ConfigError(
                 f"staged_memory_limit_mb must be at least 1 or null; "
                 f"got {self.staged_memory_limit_mb}"
             )
         for name in ("max_items_per_request", "max_request_pixels"):
             if getattr(self, name) < 1:
-                raise BadRequestError(f"{name} must be at least 1; got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
         for name in ("max_image_pixels", "queued_memory_limit_mb"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise BadRequestError(f"{name} must be at least 1 or null; got {value}")
+                raise ConfigError(f"{name} must be at least 1 or null; got {value}")
         if self.max_audio_seconds is not None and not 0 < self.max_audio_seconds < float("inf"):
-            raise BadRequestError(
+            raise ConfigError(
                 f"max_audio_seconds must be a positive number or null; got {self.max_audio_seconds}"
             )
         if not 0 < self.max_request_audio_seconds < float("inf"):
-            raise BadRequestError(
+            raise ConfigError(
                 "max_request_audio_seconds must be a positive number; "
                 f"got {self.max_request_audio_seconds}"
             )
         for name in ("max_audio_sample_rate", "max_audio_channels"):
             if getattr(self, name) < 1:
-                raise BadRequestError(f"{name} must be at least 1; got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
 
     @property
     def arena_bytes(self) -> int:
@@ -262,7 +278,7 @@ class EncoderConfig:
     def zmq_push_options(self) -> dict[str, Any]:
         """The :class:`~encdisagg.transfer.ZmqPushPool` options this config sets.
 
-        :raises BadRequestError: a malformed CURVE key, naming its field.
+        :raises ConfigError: a malformed CURVE key, naming its field.
         """
         from .transfer._zmq_curve import curve_key, parse_server_keys
 
@@ -288,7 +304,7 @@ class EncoderConfig:
     def from_mapping(cls, mapping: Mapping[str, Any] | None = None, /, **overrides: Any) -> Self:
         """Build a config from a mapping (plus keyword overrides).
 
-        :raises BadRequestError: naming every unknown key and every invalid field at once
+        :raises ConfigError: naming every unknown key and every invalid field at once
             (one per line after the first).
         """
         values = dict(mapping or {})
@@ -296,9 +312,9 @@ class EncoderConfig:
         if set(values) <= set(cls.field_names()):
             try:
                 return cls(**values)
-            except BadRequestError:
+            except ConfigError:
                 pass  # look for every problem, not just this first one
-        raise BadRequestError("\n".join(cls.problems(values)))
+        raise ConfigError("\n".join(cls.problems(values)))
 
     @classmethod
     def problems(cls, values: Mapping[str, Any]) -> list[str]:
@@ -311,11 +327,11 @@ class EncoderConfig:
         before = len(problems)
         try:
             cls(**valid)
-        except BadRequestError as whole:
+        except ConfigError as whole:
             for key, value in valid.items():
                 try:
                     cls(**{key: value})
-                except BadRequestError as exc:
+                except ConfigError as exc:
                     problems.append(exc.message)
             if len(problems) == before:
                 problems.append(whole.message)  # a rule between fields, not one field
@@ -325,15 +341,15 @@ class EncoderConfig:
     def from_toml(cls, path: str | Path) -> Self:
         """Build a config from a TOML file; keys may sit at top level or under ``[encoder]``.
 
-        :raises BadRequestError: if the file is not valid TOML or holds unknown keys.
+        :raises ConfigError: if the file is not valid TOML or holds unknown keys.
         """
         try:
             data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise BadRequestError(f"cannot read configuration file {path}: {exc}") from exc
+            raise ConfigError(f"cannot read configuration file {path}: {exc}") from exc
         section = data.get("encoder", data)
         if not isinstance(section, dict):
-            raise BadRequestError(f"[encoder] in {path} must be a table")
+            raise ConfigError(f"[encoder] in {path} must be a table")
         return cls.from_mapping(section)
 
     def replace(self, **changes: Any) -> Self:

@@ -128,6 +128,12 @@ class Trace:
         )
         child.end(end_time=end_ns)
 
+    @property
+    def trace_id(self) -> str | None:
+        """This context's trace id as 32 hex digits (``None`` if it has no valid span)."""
+        span_context = otel_trace.get_current_span(self.context).get_span_context()
+        return format(span_context.trace_id, "032x") if span_context.is_valid else None
+
     def traceparent(self) -> str | None:
         """This context as a W3C ``traceparent`` value (``None`` if it has no valid span)."""
         carrier: dict[str, str] = {}

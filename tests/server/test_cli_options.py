@@ -214,18 +214,21 @@ def test_check_lists_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_startup_progress_is_logged_in_the_chosen_format() -> None:
     command = [
         sys.executable, "-m", "encdisagg", "serve", "--port", "0", "--model", "null",
-        "--log-format", "json",
+        "--log-format", "json", "--transfer", "mooncake",
     ]  # fmt: skip
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as process:
         try:
             assert process.stdout is not None
-            assert process.stdout.readline().startswith("encdisagg serving on http://")
+            banner = json.loads(process.stdout.readline())  # JSON on stdout too
+            assert banner["message"] == f"encdisagg serving on {banner['url']}"
+            assert banner["url"].startswith("http://127.0.0.1:")
         finally:
             process.send_signal(signal.SIGTERM)
             _, err = process.communicate(timeout=60)
     assert process.returncode == 0
     messages = [json.loads(line)["message"] for line in err.splitlines() if line.strip()]
     assert messages[0].startswith("listening on 127.0.0.1:")
-    assert "opening the encoder (model null, transfer zmq)" in messages
+    # Mooncake's own glog lines are records too: every line of stderr parsed as JSON above.
+    assert "opening the encoder (model null, transfer mooncake)" in messages

@@ -5,6 +5,7 @@ as JSON lines."""
 from __future__ import annotations
 
 import json
+import re
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -98,12 +99,21 @@ async def test_access_line_and_req_id_on_the_records_served(
         ("/release", 400, "r-8"),
     ]
 
+    body = json.dumps({"req_id": "r-7", "mm_items": ["x"]}).encode()
+    assert access.bytes_in == len(body)  # type: ignore[attr-defined]
+    assert access.bytes_out == len(await response.get_data())  # type: ignore[attr-defined]
+    assert access.client  # type: ignore[attr-defined]
+    assert access.trace_id is None  # type: ignore[attr-defined]
     text = TextFormatter().format(access)
-    assert "INFO encdisagg.server.access: POST /encode 200 " in text
+    assert re.search(
+        rf"INFO encdisagg\.server\.access: \S+ POST /encode 200 [0-9.]+ms in={len(body)} out=\d+",
+        text,
+    ), text
     assert text.endswith(' req_id="r-7"')
     line = json.loads(JsonFormatter().format(access))
     assert line["req_id"] == "r-7"
     assert (line["method"], line["route"], line["status"]) == ("POST", "/encode", 200)
+    assert (line["bytes_in"], line["client"]) == (len(body), access.client)  # type: ignore[attr-defined]
     assert line["logger"] == "encdisagg.server.access"
     model_line = json.loads(JsonFormatter().format(served[0]))
     assert (model_line["message"], model_line["req_id"]) == ("preprocessing 1 items", "r-7")

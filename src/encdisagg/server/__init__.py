@@ -7,6 +7,8 @@
 - :func:`serve`: run an app with Hypercorn on the current event loop.
 - :class:`EncoderMetrics` / :class:`ServerMetrics`: Prometheus metrics, per app.
 - :class:`LocalBackend` / :class:`DataParallelBackend`: what the routes call.
+- :func:`configure_logging`: the log handler ``encdisagg serve`` installs (text or JSON lines,
+  each record with the served request's ``req_id``), for apps that embed the routes.
 
 The names load on first use: ``encdisagg serve`` checks its options (``ServerSettings``
 included) before torch and the model code are imported, so a bad value answers at once.
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     )
     from ._dp import DataParallelBackend as DataParallelBackend
     from ._listen import bind_socket as bind_socket
+    from ._logs import configure_logging as configure_logging
     from ._messages import (
         EncodeBody as EncodeBody,
         MetadataBody as MetadataBody,
@@ -56,6 +59,7 @@ _LAZY = {
     "EncoderService": "._app",
     "serve": "._runner",
     "bind_socket": "._listen",
+    "configure_logging": "._logs",
     "ServerSettings": "._settings",
     "Backend": "._backend",
     "LocalBackend": "._backend",

@@ -35,7 +35,7 @@ from ._dp import DataParallelBackend
 from ._grpc_serving import grpc_beside
 from ._json import decode_body, shown
 from ._lifespan import ServiceLifespan
-from ._logs import note_req_id
+from ._logs import note_req_id, note_trace_id
 from ._messages import (
     EncodeBody,
     MetadataBody,
@@ -427,6 +427,8 @@ def mount_encoder(
     def add_route(path: str, call: _Route) -> None:
         async def view() -> Response:
             with server_span(path, request.headers.get(TRACEPARENT)) as trace:
+                if trace is not None:
+                    note_trace_id(trace.trace_id)
                 response = await service._respond(path, call)
                 set_status(trace, response.status_code)
                 return response

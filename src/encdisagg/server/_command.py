@@ -9,11 +9,13 @@ then are the server and the model code imported; each step of the startup is log
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import anyio
@@ -67,8 +69,12 @@ async def _watch_signals(
                 force.cancel()
 
 
-def _announce(url: str) -> None:
-    print(f"encdisagg serving on {url}", flush=True)
+def _announce(text: str, log_format: str, **fields: str) -> None:
+    """A line on stdout for whoever started the server (its URL, once it serves): as it
+    reads, or in JSON mode as one JSON object, so both streams parse line by line."""
+    if log_format == "json":
+        text = json.dumps({"message": text, **fields})
+    print(text, flush=True)
 
 
 async def _main(options: ServeOptions, listener: socket.socket) -> int:
@@ -98,10 +104,10 @@ async def _main(options: ServeOptions, listener: socket.socket) -> int:
         service.start_draining()
 
     def on_serving(url: str) -> None:
-        _announce(url)
+        _announce(f"encdisagg serving on {url}", options.log_format, url=url)
         grpc = grpc_url(service)
         if grpc is not None:
-            print(f"encdisagg gRPC serving on {grpc}", flush=True)
+            _announce(f"encdisagg gRPC serving on {grpc}", options.log_format, grpc_url=grpc)
         registration.on_serving(url)
 
     async def shut_down() -> None:
@@ -183,6 +189,15 @@ def _bind(options: ServeOptions) -> socket.socket | None:
         return None
 
 
+def _json_stderr(log_format: str) -> AbstractContextManager[None]:
+    """In JSON mode, native writes to stderr become JSON records too."""
+    if log_format != "json":
+        return nullcontext()
+    from ._stderr_lines import stderr_lines_to_logging
+
+    return stderr_lines_to_logging()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """The ``serve`` subcommand: 0 after a graceful shutdown (or a passed ``--check``), 2 for
     invalid options, 1 if the server could not start, 128 + the signal's number when a second
@@ -205,7 +220,8 @@ def run_serve(args: argparse.Namespace) -> int:
         # Before anything large is allocated: freed bodies and images go back to the system.
         return_large_frees_to_the_os()
         try:
-            status = anyio.run(_main, options, listener, backend=options.worker_class)
+            with _json_stderr(options.log_format):
+                status = anyio.run(_main, options, listener, backend=options.worker_class)
         except (Exception, BaseExceptionGroup) as exc:
             if isinstance(exc, BaseExceptionGroup) and exc.split(Exception)[0] is None:
                 raise  # only KeyboardInterrupt or SystemExit inside: not a startup failure

@@ -29,12 +29,22 @@ __all__ = [
     "TextFormatter",
     "configure_logging",
     "note_req_id",
+    "note_trace_id",
 ]
 
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: Final = ("text", "json")
 #: Fields an access record carries (``extra=``); the JSON formatter writes them as keys.
-_ACCESS_FIELDS: Final = ("method", "route", "status", "duration_ms")
+_ACCESS_FIELDS: Final = (
+    "client",
+    "method",
+    "route",
+    "status",
+    "duration_ms",
+    "bytes_in",
+    "bytes_out",
+    "trace_id",
+)
 
 
 @dataclass(eq=False, slots=True)
@@ -42,6 +52,8 @@ class RequestContext:
     """The HTTP request being served in this context."""
 
     req_id: str | None = None
+    #: The request's trace id (32 hex digits) once its server span opened; tracing only.
+    trace_id: str | None = None
 
 
 #: The request this task (or worker thread) serves; ``None`` outside requests.
@@ -55,6 +67,14 @@ def note_req_id(req_id: object) -> None:
     context = CURRENT_REQUEST.get()
     if context is not None and isinstance(req_id, str) and context.req_id is None:
         context.req_id = req_id
+
+
+def note_trace_id(trace_id: str | None) -> None:
+    """Remember the trace id of the request being served (its access line shows it). Not
+    async."""
+    context = CURRENT_REQUEST.get()
+    if context is not None and trace_id:
+        context.trace_id = trace_id
 
 
 class RequestIdFilter(logging.Filter):

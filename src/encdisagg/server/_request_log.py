@@ -1,4 +1,5 @@
-"""One access line per HTTP request: method, route, status, duration and ``req_id``.
+"""One access line per HTTP request: client address, method, route, status, duration, bytes
+in and out, ``req_id``, and the trace id when tracing is on.
 
 An ASGI middleware around the app. It gives each request a fresh
 :class:`~._logs.RequestContext` in the context variable before the app runs, so the routes'
@@ -66,16 +67,26 @@ class AccessLog:
         context = RequestContext()
         token = CURRENT_REQUEST.set(context)
         status = _NO_RESPONSE
+        bytes_in = bytes_out = 0
         started = time.perf_counter()
 
+        async def counted_receive() -> Any:
+            nonlocal bytes_in
+            message = await receive()
+            if message.get("type") == "http.request":
+                bytes_in += len(message.get("body", b""))
+            return message
+
         async def watched_send(message: Any) -> None:
-            nonlocal status
+            nonlocal status, bytes_out
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+            elif message["type"] == "http.response.body":
+                bytes_out += len(message.get("body", b""))
             await send(message)
 
         try:
-            await self._app(scope, receive, watched_send)
+            await self._app(scope, counted_receive, watched_send)
         finally:
             seconds = time.perf_counter() - started
             note = ""
@@ -87,18 +98,37 @@ class AccessLog:
             if self._observe is not None:
                 self._observe(route, status, seconds)
             method = str(scope.get("method", ""))
+            client = _address(scope.get("client"))
+            trace = f" trace_id={context.trace_id}" if context.trace_id else ""
             _log.info(
-                "%s %s %s %.1fms%s",
+                "%s %s %s %s %.1fms in=%d out=%d%s%s",
+                client,
                 method,
                 route,
                 status,
                 duration_ms,
+                bytes_in,
+                bytes_out,
+                trace,
                 note,
                 extra={
+                    "client": client,
                     "method": method,
                     "route": route,
                     "status": status,
                     "duration_ms": duration_ms,
+                    "bytes_in": bytes_in,
+                    "bytes_out": bytes_out,
+                    "trace_id": context.trace_id,
                 },
             )
             CURRENT_REQUEST.reset(token)
+
+
+def _address(client: object) -> str:
+    """``host:port`` of the ASGI ``client`` pair, ``-`` when the server does not know it (a
+    Unix socket)."""
+    if isinstance(client, (list, tuple)) and len(client) == 2:
+        host, port = client
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return "-"

@@ -30,6 +30,7 @@ from typing import Final
 __all__ = [
     "MAX_CAPTURED_BYTES",
     "NATIVE_LOGGER",
+    "glog_level",
     "native_lines_to_logging",
     "quiet_mooncake_by_default",
     "relog_native_lines",
@@ -72,6 +73,14 @@ def quiet_mooncake_by_default(debug: bool | None = None) -> None:
 
 def _user_chose_a_level() -> bool:
     return _LEVEL_ENV in os.environ and _OURS_ENV not in os.environ
+
+
+def glog_level(line: str) -> int | None:
+    """The logging level of a glog line (its preamble: debug), ``None`` for other text."""
+    match = _GLOG_LINE.fullmatch(line)
+    if match is not None:
+        return _GLOG_LEVELS[match[1]]
+    return logging.DEBUG if line.startswith(_GLOG_PREAMBLE) else None
 
 
 def relog_native_lines(text: str, *, failed: bool) -> str:
