@@ -192,6 +192,12 @@ BENCHES: tuple[Bench, ...] = (
         ],
         _models_headlines,
     ),
+    Bench(
+        "preprocess",
+        "bench_preprocess.py",
+        "images/s of preprocessing per core: HF processor vs fast vs reference vs decode",
+        _own_args,
+    ),
     Bench("epd", "bench_epd.py", "E->P->D vs colocated TTFT/TPOT", _own_args),
     Bench(
         "fleet",
@@ -203,6 +209,12 @@ BENCHES: tuple[Bench, ...] = (
         "decoders",
         "bench_decoders.py",
         "strict decoding: hand-written decoders vs msgspec Structs, same bodies",
+        _own_args,
+    ),
+    Bench(
+        "cli",
+        "bench_cli.py",
+        "encdisagg serve: time to answer a bad flag, a busy port, a bad config file",
         _own_args,
     ),
 )

@@ -50,6 +50,16 @@ def qwen3() -> Qwen3VisionModel:
 
 
 @pytest.fixture(scope="module")
+def reference() -> Qwen3VisionModel:
+    """The same model on the processor's own path: its pixels are transformers' bit for bit,
+    so its embeddings must equal the HF model's exactly (tests/models/test_fast_pixels.py
+    holds the fast path to its tolerance)."""
+    model = load_model("tiny-qwen3-vl", preprocess="reference")
+    assert isinstance(model, Qwen3VisionModel)
+    return model
+
+
+@pytest.fixture(scope="module")
 def full() -> Qwen3VLForConditionalGeneration:
     """The whole tiny Qwen3-VL the built-in tower comes from (same seed)."""
     return build_tiny_qwen3_vl()
@@ -107,8 +117,9 @@ def test_token_counts_and_grids_equal_the_hf_processor(
 
 
 def test_embeddings_and_deepstack_equal_the_hf_model_batched_and_not(
-    qwen3: Qwen3VisionModel, full: Qwen3VLForConditionalGeneration, images: list[Image.Image]
+    reference: Qwen3VisionModel, full: Qwen3VLForConditionalGeneration, images: list[Image.Image]
 ) -> None:
+    qwen3 = reference
     _, expected, mains = hf_reference(full, images)
     batched = qwen3.preprocess(images, Modality.IMAGE)
     (joint,) = qwen3.forward([batched])
@@ -124,8 +135,9 @@ def test_embeddings_and_deepstack_equal_the_hf_model_batched_and_not(
 
 
 def test_a_mixed_batch_splits_back_per_item_exactly(
-    qwen3: Qwen3VisionModel, full: Qwen3VLForConditionalGeneration, images: list[Image.Image]
+    reference: Qwen3VisionModel, full: Qwen3VLForConditionalGeneration, images: list[Image.Image]
 ) -> None:
+    qwen3 = reference
     first = qwen3.preprocess(images[:1], Modality.IMAGE)
     rest = qwen3.preprocess(images[1:], Modality.IMAGE)
     empty = Preprocessed(token_counts=(), grid=())
@@ -253,7 +265,7 @@ def test_a_full_moe_checkpoint_loads_its_tower(images: list[Image.Image], tmp_pa
     full = Qwen3VLMoeForConditionalGeneration(config)
     full.save_pretrained(tmp_path)
     qwen3_vl_image_processor().save_pretrained(tmp_path)
-    loaded = load_model(tmp_path)
+    loaded = load_model(tmp_path, preprocess="reference")  # compared with HF bit for bit
     assert isinstance(loaded, Qwen3VisionModel)
     pre = loaded.preprocess(images[:2], Modality.IMAGE)
     (ours,) = loaded.forward([pre])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Final, final
 
 import torch
+from PIL import Image
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
 from transformers.models.kimi_k25.modeling_kimi_k25 import (
     Kimi_K25MultimodalProjection,
@@ -25,8 +26,9 @@ from transformers.models.kimi_k25.modeling_kimi_k25 import (
 
 from .._errors import BadRequestError, InternalError
 from .._modality import Modality
+from ._fast_pixels import FastPixels, fast_pixels
 from ._grids import kimi_grid_tokens
-from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule
+from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule, navit_size
 from ._media import MediaPolicy, load_image
 from ._media_limits import MediaLimits
 from ._protocol import Preprocessed
@@ -42,6 +44,7 @@ from ._tower import (
     image_patches,
     owned_pieces,
     pixel_budget,
+    pixels_key,
     settings_json,
     state_digest,
 )
@@ -106,8 +109,10 @@ class KimiVisionModel(TowerModel):
     :param name: the model's name (a built-in name or the checkpoint folder).
     :param media: which media items may be and where they may come from.
     :param limits: the media budgets of a request whose caller passes none.
+    :param preprocess: ``"fast"`` (``uint8`` resize, one normalising pass) or
+        ``"reference"`` (the image processor itself).
     :raises BadRequestError: naming ``model`` if the processor's patch or merge size does
-        not match the tower's.
+        not match the tower's; ``preprocess`` for another mode.
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class KimiVisionModel(TowerModel):
         name: str,
         media: MediaPolicy | None = None,
         limits: MediaLimits | None = None,
+        preprocess: str = "fast",
     ) -> None:
         config: Any = encoder.config
         merge_h, merge_w = _merge_kernel(config)
@@ -152,8 +158,10 @@ class KimiVisionModel(TowerModel):
         self._processors = PerThread(
             image_processor, lambda: Kimi_K25ImageProcessorPil.from_dict(dict(processor_config))
         )
+        self._pixels = fast_pixels(image_processor, preprocess)
         self._identity = identity_digest(
             "kimi_k25",
+            self.preprocess_mode,  # the paths' pixel values differ slightly
             settings_json(_architecture(config.to_dict())),
             settings_json(self._processor_config),
             state_digest(encoder),
@@ -213,9 +221,14 @@ class KimiVisionModel(TowerModel):
         processor = self._processors.get()
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []  # the fast path's padded uint8 pixels, per item
         for index, item in enumerate(items):
             image = load_image(item, index, self._media, budget=budget)
-            values, grid = image_patches(processor, image, index)
+            if self._pixels is None:
+                values, grid = image_patches(processor, image, index)
+            else:
+                values, grid, source = self._fast_image(self._pixels, image)
+                sources.append(source)
             pixel_values.append(values)
             grids.append(grid)
         if not grids:
@@ -226,13 +239,38 @@ class KimiVisionModel(TowerModel):
             token_counts = tuple(kimi_grid_tokens(row, self._merge_kernel) for row in rows)
         except ValueError as exc:  # a processor whose padding disagrees with the tower
             raise InternalError(f"model {self._name!r}: {exc}") from exc
-        features = {PIXEL_VALUES: torch.cat(pixel_values), GRID_THWS: grid_thws}
+        # One item's tensor as it is: a copy of it would cost as much as making it.
+        values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values)
+        features = {PIXEL_VALUES: values, GRID_THWS: grid_thws}
+        if self._pixels is None:
+            cache_key = content_key(self._identity, features, rows)
+        else:
+            cache_key = pixels_key(self._identity, sources, rows)
         return Preprocessed(
             token_counts=token_counts,
             grid=rows,
             features=features,
-            cache_key=content_key(self._identity, features, rows),
+            cache_key=cache_key,
         )
+
+    def _fast_image(
+        self, pixels: FastPixels, image: Image.Image
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One image's ``(pixel_values, grid_thws, padded uint8 pixels)`` on the fast path,
+        sized by the processor's own rule. Blocks on CPU work."""
+        rule = self._rule
+        resized, padded = navit_size(
+            image.height,
+            image.width,
+            patch_size=rule.patch_size,
+            merge_size=rule.merge_size,
+            max_patches=rule.max_patches,
+            max_side_patches=rule.max_side_patches,
+        )
+        values, canvas = pixels.kimi_image(image, resized, padded)
+        patch = rule.patch_size
+        grid = torch.tensor([[1, padded[0] // patch, padded[1] // patch]], dtype=torch.int64)
+        return values, grid, canvas
 
     # --- forward ------------------------------------------------------------------------
 

@@ -75,9 +75,11 @@ def load_kimi(
     dtype: torch.dtype | None,
     device: torch.device,
     media: MediaPolicy,
+    preprocess: str = "fast",
 ) -> KimiVisionModel:
     """Build ``"tiny-kimi-k25"`` or load the ``kimi_k25`` checkpoint folder ``name``, on
-    ``device`` in ``dtype`` (``None``: the checkpoint's own). Blocks on the build or the
+    ``device`` in ``dtype`` (``None``: the checkpoint's own), preprocessing images the
+    ``preprocess`` way (``"fast"`` or ``"reference"``). Blocks on the build or the
     reads; never touches the network.
 
     :raises BadRequestError: naming ``model`` for an unloadable checkpoint, ``device`` for
@@ -91,4 +93,4 @@ def load_kimi(
     else:
         encoder, processor = _load_folder(Path(name).expanduser(), name, dtype)
     move_to([encoder], device, str(device))
-    return KimiVisionModel(encoder, processor, name=name, media=media)
+    return KimiVisionModel(encoder, processor, name=name, media=media, preprocess=preprocess)

@@ -21,6 +21,7 @@ from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLM
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
 from .._errors import BadRequestError
+from .._hub import resolve_hub_model
 from ._audio_loading import AUDIO_BUILTIN_MODELS, is_audio_model, load_audio_model
 from ._checkpoint import (
     cast_weights,
@@ -32,7 +33,7 @@ from ._checkpoint import (
     refuse_missing,
     require_preprocessor,
 )
-from ._hub import resolve_hub_model
+from ._fast_pixels import check_mode
 from ._kimi import KimiVisionModel
 from ._media import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
 from ._qwen import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, QwenVisionModel
@@ -196,7 +197,11 @@ def _is_qwen3_vl(name: str) -> bool:
 
 
 def _load_qwen3_vl(
-    name: str, dtype: torch.dtype | None, device: torch.device, media: MediaPolicy
+    name: str,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    media: MediaPolicy,
+    preprocess: str,
 ) -> Qwen3VisionModel:
     tower, processor, video_limits = _tower_parts(
         name,
@@ -213,6 +218,7 @@ def _load_qwen3_vl(
         media=media,
         video_min_pixels=video_limits[0],
         video_max_pixels=video_limits[1],
+        preprocess=preprocess,
     )
 
 
@@ -226,6 +232,7 @@ def load_model(
     remote_media_timeout_s: float = 10.0,
     allow_local_files: bool = True,
     max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
+    preprocess: str = "fast",
 ) -> QwenVisionModel | Qwen3VisionModel | KimiVisionModel | QwenAudioModel:
     """Load a vision model by built-in name or from a local checkpoint folder. Blocks while it
     builds or reads the weights; never touches the network.
@@ -257,9 +264,14 @@ def load_model(
     :param remote_media_timeout_s: socket timeout of remote fetches.
     :param allow_local_files: whether items may name files on this machine.
     :param max_video_frames: most frames of one video item.
+    :param preprocess: how images and video frames are preprocessed: ``"fast"`` (``uint8``
+        resize with torch's antialiased kernels, one normalising pass; grids equal the
+        processor's) or ``"reference"`` (transformers' processor itself). Audio ignores it.
     :raises BadRequestError: naming ``model`` for an unknown name, a missing folder or an
-        unloadable checkpoint; ``dtype``, ``device`` or the media field for invalid values.
+        unloadable checkpoint; ``dtype``, ``device``, ``preprocess`` or the media field for
+        invalid values.
     """
+    check_mode(preprocess)  # an unknown mode fails before anything is built
     media = MediaPolicy(
         max_media_bytes=max_media_bytes,
         remote_media_domains=tuple(remote_media_domains),
@@ -273,9 +285,9 @@ def load_model(
     # A Hub id (ORG/NAME) loads from its snapshot folder in the local cache, offline.
     name = resolve_hub_model(name, BUILTIN_MODELS)
     if kimi := _kimi_loader(name):
-        return kimi(name, dtype=wanted_dtype, device=target, media=media)
+        return kimi(name, dtype=wanted_dtype, device=target, media=media, preprocess=preprocess)
     if _is_qwen3_vl(name):
-        return _load_qwen3_vl(name, wanted_dtype, target, media)
+        return _load_qwen3_vl(name, wanted_dtype, target, media, preprocess)
     if is_audio_model(name):
         return load_audio_model(name, media=media, dtype=wanted_dtype, device=target)
     tower, processor, video_limits = _tower_parts(
@@ -293,4 +305,5 @@ def load_model(
         media=media,
         video_min_pixels=video_limits[0],
         video_max_pixels=video_limits[1],
+        preprocess=preprocess,
     )

@@ -124,8 +124,8 @@ class ResizeRule:
     min_pixels: int
     max_pixels: int
 
-    def model_pixels(self, width: int, height: int) -> int:
-        """Pixels the model processes for a ``width`` x ``height`` source.
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """``(height, width)`` a ``width`` x ``height`` source is resized to.
 
         :raises ValueError: for an aspect ratio the model refuses (above 200).
         """
@@ -139,7 +139,15 @@ class ResizeRule:
             min_pixels=self.min_pixels,
             max_pixels=self.max_pixels,
         )
-        return int(resized_height) * int(resized_width)
+        return int(resized_height), int(resized_width)
+
+    def model_pixels(self, width: int, height: int) -> int:
+        """Pixels the model processes for a ``width`` x ``height`` source.
+
+        :raises ValueError: for an aspect ratio the model refuses (above 200).
+        """
+        resized_height, resized_width = self.resized(width, height)
+        return resized_height * resized_width
 
 
 class PixelBudget:

@@ -26,7 +26,8 @@ class Preprocessed:
     :param token_counts: LLM tokens each item becomes, one entry per item.
     :param grid: each item's patch grid (``(t, h, w)`` for the Qwen2-VL family), one per item.
     :param features: model-specific tensors ``forward`` consumes (e.g. ``pixel_values``).
-    :param cache_key: a content hash of ``features``, ``grid`` and the model's identity;
+    :param cache_key: a content hash of ``features`` (or of input they follow from exactly,
+        such as the resized pixels of the fast image path), ``grid`` and the model's identity;
         ``None`` means the result must not be cached.
     :param video_timing: for videos, each item's timing (fps, ``second_per_grid_ts``,
         timestamps) as the model's video processor computes it; ``None`` otherwise.

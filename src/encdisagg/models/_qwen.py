@@ -21,6 +21,7 @@ import torch
 from transformers import Qwen2VLImageProcessorPil
 
 from .._errors import BadRequestError
+from ._fast_pixels import fast_pixels
 from ._media import MediaPolicy, item_label
 from ._media_limits import MediaLimits, ResizeRule
 from ._protocol import Preprocessed
@@ -31,6 +32,7 @@ from ._qwen_video import (
     VIDEO_CONFIG_NAME,
     check_frame_sizes,
     check_shared_settings,
+    fast_clip,
     paired_frames,
 )
 from ._tower import (
@@ -78,8 +80,10 @@ class QwenVisionModel(QwenTower):
     :param video_max_pixels: most pixels a video frame is resized to.
     :param limits: the media budgets of a request whose caller passes none (defaults:
         :class:`~._media_limits.MediaLimits`).
+    :param preprocess: ``"fast"`` (``uint8`` resize, one normalising pass; see
+        :mod:`~._fast_pixels`) or ``"reference"`` (the image processor itself).
     :raises BadRequestError: naming ``model`` if ``tower`` is no supported vision tower or the
-        processor's patch sizes do not match the tower's.
+        processor's patch sizes do not match the tower's; ``preprocess`` for another mode.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class QwenVisionModel(QwenTower):
         video_min_pixels: int = VIDEO_MIN_PIXELS,
         video_max_pixels: int = VIDEO_MAX_PIXELS,
         limits: MediaLimits | None = None,
+        preprocess: str = "fast",
     ) -> None:
         model_type = getattr(tower.config, "model_type", None)
         if model_type not in _OUTPUT_WIDTH_KEYS:
@@ -121,8 +126,12 @@ class QwenVisionModel(QwenTower):
         self._processors = PerThread(
             image_processor, lambda: Qwen2VLImageProcessorPil.from_dict(dict(config))
         )
+        self._pixels = fast_pixels(image_processor, preprocess)
         self._identity = identity_digest(
             model_type,
+            # The two paths' pixel values differ slightly, so their embeddings never share
+            # a cache entry.
+            self.preprocess_mode,
             architecture_json(tower.config.to_dict()),
             settings_json(self._processor_config),
             json.dumps(self._video_size, sort_keys=True),
@@ -146,11 +155,18 @@ class QwenVisionModel(QwenTower):
 
     def _video_patches(
         self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         label = item_label(index)
         check_frame_sizes(frames, label)
+        if self._pixels is not None:
+            width, height = frames[0].size
+            try:
+                height, width = self._video_rule.resized(width, height)
+            except ValueError as exc:
+                raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
+            return fast_clip(self._pixels, frames, height, width)
         # Each frame sized on its own, within the video processor's per-frame pixel limits.
-        return paired_frames(processor, frames, label, size=self._video_size)
+        return (*paired_frames(processor, frames, label, size=self._video_size), None)
 
     # --- forward ------------------------------------------------------------------------
 

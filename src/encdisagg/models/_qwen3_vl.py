@@ -31,6 +31,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 
 from .._errors import BadRequestError, InternalError
 from ..transfer import EmbeddingLayout, deepstack_layout
+from ._fast_pixels import fast_pixels
 from ._media import MediaPolicy, item_label
 from ._media_limits import MediaLimits, ResizeRule
 from ._protocol import Preprocessed
@@ -41,6 +42,7 @@ from ._qwen_video import (
     VIDEO_CONFIG_NAME,
     check_frame_sizes,
     check_shared_settings,
+    fast_clip,
     paired_frames,
 )
 from ._tower import (
@@ -80,7 +82,9 @@ class Qwen3VisionModel(QwenTower):
     :param video_min_pixels: fewest pixels of a whole video clip after resizing.
     :param video_max_pixels: most pixels of a whole video clip after resizing.
     :param limits: the default media budgets.
-    :raises BadRequestError: naming ``model`` for another tower or mismatched patch sizes.
+    :param preprocess: ``"fast"`` or ``"reference"`` (the image processor itself).
+    :raises BadRequestError: naming ``model`` for another tower or mismatched patch sizes,
+        ``preprocess`` for another mode.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class Qwen3VisionModel(QwenTower):
         video_min_pixels: int = QWEN3_VIDEO_MIN_PIXELS,
         video_max_pixels: int = QWEN3_VIDEO_MAX_PIXELS,
         limits: MediaLimits | None = None,
+        preprocess: str = "fast",
     ) -> None:
         config: Any = tower.config
         model_type = getattr(config, "model_type", None)
@@ -129,8 +134,10 @@ class Qwen3VisionModel(QwenTower):
         self._processors = PerThread(
             image_processor, lambda: Qwen2VLImageProcessorPil.from_dict(dict(processor_config))
         )
+        self._pixels = fast_pixels(image_processor, preprocess)
         self._identity = identity_digest(
             model_type,
+            self.preprocess_mode,  # the paths' pixel values differ slightly
             architecture_json(config.to_dict()),
             settings_json(self._processor_config),
             json.dumps(self._video_pixels),
@@ -191,7 +198,7 @@ class Qwen3VisionModel(QwenTower):
 
     def _video_patches(
         self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         label = item_label(index)
         check_frame_sizes(frames, label)
         width, height = frames[0].size
@@ -199,8 +206,13 @@ class Qwen3VisionModel(QwenTower):
             height, width = self.video_frame_size(len(frames), height, width)
         except ValueError as exc:
             raise BadRequestError(f"{label}: cannot preprocess video: {exc}") from exc
+        if self._pixels is not None:
+            return fast_clip(self._pixels, frames, height, width)
         # One size for the whole clip (its pixel budget), applied before the processor.
-        return paired_frames(processor, frames, label, resize_to=(width, height), do_resize=False)
+        values, grid = paired_frames(
+            processor, frames, label, resize_to=(width, height), do_resize=False
+        )
+        return values, grid, None
 
     # --- forward ------------------------------------------------------------------------
 

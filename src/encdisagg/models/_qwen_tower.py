@@ -12,19 +12,30 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._errors import BadRequestError
 from .._modality import Modality
 from .._video_timing import VideoTiming, video_timing
 from ._grids import grid_tokens
-from ._media import MediaPolicy, load_image, load_video
+from ._media import MediaPolicy, item_label, load_image, load_video
 from ._media_limits import MediaLimits, ResizeRule
 from ._protocol import Preprocessed
 from ._qwen_video import GRID_THW, PIXEL_VALUES
-from ._tower import PerThread, TowerModel, checked_request, content_key, image_patches, pixel_budget
+from ._tower import (
+    PerThread,
+    TowerModel,
+    checked_request,
+    content_key,
+    image_patches,
+    pixel_budget,
+    pixels_key,
+)
 from ._video_items import video_source
 
 if TYPE_CHECKING:
     from PIL import Image
     from transformers import PreTrainedModel, Qwen2VLImageProcessorPil
+
+    from ._fast_pixels import FastPixels
 
 __all__ = ["QwenTower"]
 
@@ -86,37 +97,68 @@ class QwenTower(TowerModel):
         pixel_values: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
         timings: list[VideoTiming] = []
+        sources: list[torch.Tensor] = []  # the fast path's resized uint8 pixels, per item
         for index, item in enumerate(items):
+            resized: torch.Tensor | None = None
             if modality is Modality.IMAGE:
                 image = load_image(item, index, self._media, budget=budget)
-                values, grid = image_patches(processor, image, index)
+                if self._pixels is None:
+                    values, grid = image_patches(processor, image, index)
+                else:
+                    values, grid, resized = self._fast_image(self._pixels, image, index)
             else:
                 source, fps = video_source(item, index)
                 times: list[float] = []
                 frames = load_video(source, index, self._media, budget=budget, frame_times=times)
-                values, grid = self._video_patches(processor, frames, index)
+                values, grid, resized = self._video_patches(processor, frames, index)
                 # The <t seconds> of each temporal patch, as the family's processor has them.
                 timings.append(
                     video_timing(len(frames), self._temporal, fps=fps, frame_times=times or None)
                 )
             pixel_values.append(values)
             grids.append(grid)
+            if resized is not None:
+                sources.append(resized)
         if not grids:
             return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
         grid_thw = torch.cat(grids)
         rows = tuple(tuple(int(size) for size in row) for row in grid_thw.tolist())
         token_counts = tuple(grid_tokens(row, self._merge_size) for row in rows)
-        features = {PIXEL_VALUES: torch.cat(pixel_values), GRID_THW: grid_thw}
+        # One item's tensor as it is: a copy of it would cost as much as making it.
+        values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values)
+        features = {PIXEL_VALUES: values, GRID_THW: grid_thw}
+        if self._pixels is None:
+            cache_key = content_key(self._identity, features, rows)
+        else:
+            cache_key = pixels_key(self._identity, sources, rows)
         return Preprocessed(
             token_counts=token_counts,
             grid=rows,
             features=features,
-            cache_key=content_key(self._identity, features, rows),
+            cache_key=cache_key,
             video_timing=tuple(timings) if modality is Modality.VIDEO else None,
         )
 
+    def _fast_image(
+        self, pixels: FastPixels, image: Image.Image, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One image's ``(pixel_values, grid_thw, resized uint8 pixels)`` on the fast path,
+        sized by the processor's own rule. Blocks on CPU work.
+
+        :raises BadRequestError: naming ``mm_items[index]`` for an aspect ratio above 200.
+        """
+        try:
+            height, width = self._image_rule.resized(image.width, image.height)
+        except ValueError as exc:  # the processor's refusal, in its words
+            raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
+        values, resized = pixels.qwen_image(image, height, width)
+        patch = pixels.patch_size
+        grid = torch.tensor([[1, height // patch, width // patch]], dtype=torch.int64)
+        return values, grid, resized
+
     def _video_patches(
         self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One video item's ``(pixel_values, grid_thw)``: each adapter sizes the frames."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One video item's ``(pixel_values, grid_thw, resized uint8 frames)``, the last
+        ``None`` on the processor's path: each adapter sizes the frames."""
         raise NotImplementedError

@@ -20,6 +20,8 @@ from .._errors import BadRequestError
 if TYPE_CHECKING:
     from transformers import Qwen2VLImageProcessorPil
 
+    from ._fast_pixels import FastPixels
+
 __all__ = [
     "FRAMES_PER_CALL",
     "GRID_THW",
@@ -27,6 +29,7 @@ __all__ = [
     "VIDEO_CONFIG_NAME",
     "check_frame_sizes",
     "check_shared_settings",
+    "fast_clip",
     "paired_frames",
 ]
 
@@ -123,3 +126,16 @@ def paired_frames(
     stacked = single.view(grid_t, temporal, patches, channels, patch * patch)
     values = stacked.permute(0, 2, 3, 1, 4).reshape(grid_t * patches, -1).contiguous()
     return values, torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.int64)
+
+
+def fast_clip(
+    pixels: FastPixels, frames: list[Image.Image], height: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A video's ``pixel_values`` rows, ``(1, 3)`` grid and resized ``uint8`` frames on the
+    fast path: every frame resized to ``height`` x ``width`` in batches, laid out as
+    :func:`paired_frames` lays them out. Blocks on CPU work."""
+    values, clip = pixels.qwen_video(frames, height, width)
+    grid_t = -(-len(frames) // pixels.temporal)
+    patch = pixels.patch_size
+    grid = torch.tensor([[grid_t, height // patch, width // patch]], dtype=torch.int64)
+    return values, grid, clip

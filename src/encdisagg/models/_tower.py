@@ -25,6 +25,8 @@ from ._protocol import Preprocessed, split_embedding
 if TYPE_CHECKING:
     from PIL import Image
 
+    from ._fast_pixels import FastPixels
+
 __all__ = [
     "PROVENANCE_KEYS",
     "PerThread",
@@ -38,6 +40,7 @@ __all__ = [
     "image_patches",
     "owned_pieces",
     "pixel_budget",
+    "pixels_key",
     "settings_json",
     "state_digest",
     "update_with_tensor",
@@ -100,6 +103,22 @@ def content_key(
     for key in sorted(features):
         digest.update(key.encode())
         update_with_tensor(digest, features[key])
+    return digest.hexdigest()
+
+
+def pixels_key(
+    identity: str, pixels: Sequence[torch.Tensor], grid: tuple[tuple[int, ...], ...]
+) -> str:
+    """The ``cache_key`` of input preprocessed on the fast path: sha256 over the model's
+    identity (which names the path and the processor's settings), the grid and each item's
+    resized ``uint8`` pixels, in order. The features follow from these exactly, and they are
+    an eighth of the features' bytes (images fill two temporal slots of four-byte floats),
+    so the key costs that much less to hash. Blocks on hashing."""
+    digest = hashlib.sha256()
+    digest.update(identity.encode())
+    digest.update(json.dumps(grid).encode())
+    for tensor in pixels:
+        update_with_tensor(digest, tensor)  # in its canonical (contiguous) layout
     return digest.hexdigest()
 
 
@@ -233,6 +252,8 @@ class TowerModel:
     _identity: str
     _limits: MediaLimits
     _weights: Any
+    #: The fast image path, or ``None`` where the processor itself runs (``"reference"``).
+    _pixels: FastPixels | None
 
     #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
     accepts_media_limits: Final = True
@@ -258,6 +279,11 @@ class TowerModel:
         """Where the model runs and its embeddings are returned."""
         device: torch.device = self._weights.device
         return device
+
+    @property
+    def preprocess_mode(self) -> str:
+        """How images are preprocessed: ``"fast"`` or ``"reference"`` (the processor)."""
+        return "reference" if self._pixels is None else "fast"
 
     @property
     def media_limits(self) -> MediaLimits:
