@@ -1,6 +1,6 @@
 """Development sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s demo``, ``nox -s bench``,
 ``nox -s soak``, ``nox -s bench_peer`` (not run by default: it builds SGLang's venv to measure
-against).
+against), ``nox -s gpu`` (the GPU check, on a machine with a GPU).
 
 Every install goes through ``constraints.txt``: an unpinned torch can resolve to a multi-GB
 CUDA build, so torch is installed first, pinned, and every later install is constrained to it.
@@ -80,9 +80,25 @@ def soak(session: nox.Session) -> None:
     env["ENCDISAGG_SOAK_REPORT"] = str(report)
     args = ["tests/reliability", "-q", "-p", "no:cacheprovider"]
     args += ["--deselect", "tests/reliability/test_bench_runner.py"]
+    args += ["--deselect", "tests/reliability/test_gpu_check.py"]
     # Soak-sized tests run for minutes: no per-test timeout or traceback dumps.
     args += ["--timeout", "3600", "-o", "faulthandler_timeout=0"]
     session.run("pytest", *(session.posargs or args), env=env)
+
+
+@nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """The GPU check (``benchmarks/gpu_check.py``), for a machine with a GPU: the device-marked
+    tests, a real-size tower in bfloat16, transfers out of device memory, the demo and
+    ``serve --dp 2`` on the device, in at most 8 minutes; one table, and
+    ``benchmarks/results/gpu_check.json``. Installs the CUDA Mooncake wheel (the
+    ``mooncake`` extra), so run it in a fresh venv, not one with ``mooncake-cpu``.
+    Arguments replace ``--device cuda`` (``nox -s gpu -- --device cpu`` for the CPU run).
+    """
+    install_project(session, "mooncake", "dev")
+    args = session.posargs or ["--device", "cuda"]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    session.run("python", "benchmarks/gpu_check.py", *args, env=env)
 
 
 @nox.session(python=PYTHON)

@@ -8,6 +8,8 @@ import torch
 from encdisagg import BadRequestError, EncoderConfig
 from encdisagg._devices import check_device, check_device_present, check_dtype, worker_devices
 
+pytestmark = pytest.mark.device
+
 
 @pytest.fixture
 def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:

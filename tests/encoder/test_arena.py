@@ -10,6 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from encdisagg.encoder._arena import BuddyAllocator, StagingArena
 
+from .._device import chosen_device
+
 MIN_BLOCK = 16
 
 #: An operation: allocate that many bytes, or free the live block at that index (mod).
@@ -109,9 +111,11 @@ def test_alloc_past_capacity_or_when_full_returns_none() -> None:
 # -- StagingArena -----------------------------------------------------------------------------
 
 
+@pytest.mark.device
 def test_stage_copies_into_a_view_of_the_same_shape_and_dtype() -> None:
-    arena = StagingArena(8 * 4096, torch.device("cpu"))
-    source = torch.arange(12 * 5, dtype=torch.float16).reshape(12, 5)
+    device = chosen_device()
+    arena = StagingArena(8 * 4096, device)
+    source = torch.arange(12 * 5, dtype=torch.float16, device=device).reshape(12, 5)
     expected = source.clone()
     offset = arena.stage(source)
     assert offset is not None
@@ -128,9 +132,11 @@ def test_stage_copies_into_a_view_of_the_same_shape_and_dtype() -> None:
     assert arena.allocated == 0
 
 
+@pytest.mark.device
 def test_stage_of_a_non_contiguous_tensor_copies_its_values() -> None:
-    arena = StagingArena(4096, torch.device("cpu"))
-    source = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4).t()
+    device = chosen_device()
+    arena = StagingArena(4096, device)
+    source = torch.arange(6 * 4, dtype=torch.float32, device=device).reshape(6, 4).t()
     offset = arena.stage(source)
     assert offset is not None
     view = arena.view(offset, source.numel() * source.element_size(), source.dtype, (4, 6))
@@ -138,29 +144,33 @@ def test_stage_of_a_non_contiguous_tensor_copies_its_values() -> None:
     assert torch.equal(view, source)
 
 
+@pytest.mark.device
 def test_stage_returns_none_when_the_arena_is_full() -> None:
-    arena = StagingArena(2 * 4096, torch.device("cpu"))
-    block = torch.ones(4096, dtype=torch.uint8)
+    device = chosen_device()
+    arena = StagingArena(2 * 4096, device)
+    block = torch.ones(4096, dtype=torch.uint8, device=device)
     first = arena.stage(block)
     second = arena.stage(block)
     assert first is not None
     assert second is not None
     assert first != second
     assert arena.stage(block) is None
-    assert arena.stage(torch.ones(3 * 4096, dtype=torch.uint8)) is None
+    assert arena.stage(torch.ones(3 * 4096, dtype=torch.uint8, device=device)) is None
     arena.free(first)
     assert arena.stage(block) is not None
     assert arena.allocated == 2
 
 
+@pytest.mark.device
 def test_stage_returns_none_for_a_tensor_on_another_device() -> None:
-    arena = StagingArena(4096, torch.device("cpu"))
+    arena = StagingArena(4096, chosen_device())
     assert arena.stage(torch.empty(4, dtype=torch.float16, device="meta")) is None
     assert arena.allocated == 0
 
 
+@pytest.mark.device
 def test_arena_capacity_is_the_allocator_s() -> None:
-    arena = StagingArena(3 * 4096, torch.device("cpu"))
+    arena = StagingArena(3 * 4096, chosen_device())
     assert arena.capacity == 2 * 4096
     assert arena.buffer.numel() == arena.capacity
     assert arena.buffer.dtype == torch.uint8

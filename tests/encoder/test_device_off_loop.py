@@ -13,7 +13,7 @@ from encdisagg.encoder import _regions
 from encdisagg.models import NullVisionModel
 from encdisagg.transfer import LoopbackEngine, LoopbackFabric
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.device]
 
 
 async def test_the_staging_arena_is_allocated_off_the_event_loop(

@@ -29,6 +29,8 @@ from encdisagg import (
 from encdisagg.models import QwenVisionModel, load_model
 from encdisagg.transfer import MooncakeEngine, ZmqReceiver
 
+from .._device import chosen_device
+from ._device_models import DeviceScriptedModel
 from .fakes import ScriptedModel
 
 pytestmark = pytest.mark.anyio
@@ -39,7 +41,10 @@ PEER = Path(__file__).parents[1] / "transfer" / "_mooncake_peer.py"
 
 @pytest.fixture(scope="module")
 def tiny() -> QwenVisionModel:
-    return load_model("tiny")
+    """The tiny model on the tests' device (``ENCDISAGG_TEST_DEVICE``, the CPU by default)."""
+    model = load_model("tiny", device=str(chosen_device()))
+    assert isinstance(model, QwenVisionModel)
+    return model
 
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
@@ -55,6 +60,7 @@ def expected_embedding(model: Any, items: list[object]) -> torch.Tensor:
     return torch.cat(model.forward([pre]))
 
 
+@pytest.mark.device
 async def test_tiny_model_embedding_reaches_a_zmq_receiver(
     make_encoder: MakeEncoder, tiny: QwenVisionModel
 ) -> None:
@@ -74,7 +80,7 @@ async def test_tiny_model_embedding_reaches_a_zmq_receiver(
         assert part.tensor is not None
         # Recomputed here, on another thread than the Encoder's forward: the parallel
         # reductions may split differently, so equal up to float16 rounding, not bit for bit.
-        torch.testing.assert_close(part.tensor, expected_embedding(tiny, [image]))
+        torch.testing.assert_close(part.tensor, expected_embedding(tiny, [image]).cpu())
     assert encoder.stats().live_requests == 0
 
 
@@ -140,10 +146,12 @@ async def _read_json(lines: BufferedByteReceiveStream) -> Any:
 @pytest.mark.parametrize(
     "poll_on_loop_s", [0.1, 0.0], ids=["polled-on-the-loop", "polled-by-the-thread"]
 )
+@pytest.mark.device
 async def test_staged_embedding_crosses_processes_over_mooncake_tcp(
     make_encoder: MakeEncoder, tmp_path: Path, poll_on_loop_s: float
 ) -> None:
-    model = ScriptedModel(hidden_size=64)
+    # On the tests' device (ENCDISAGG_TEST_DEVICE) the engine reads device memory.
+    model = DeviceScriptedModel(hidden_size=64, dtype=torch.float16)
     stderr_path = tmp_path / "peer.stderr"
     config = {"transfer": "mooncake", "mooncake_poll_on_loop_s": poll_on_loop_s}
     async with make_encoder(model=model, **config) as encoder:
@@ -151,7 +159,7 @@ async def test_staged_embedding_crosses_processes_over_mooncake_tcp(
         assert encoder.engine.poll_on_loop_s == poll_on_loop_s
         result = await encoder.encode(EncodeRequest("mc", [512, 300]))
         assert encoder.stats().registered_regions == 1
-        expected = expected_embedding(model, [512, 300])
+        expected = expected_embedding(model, [512, 300]).cpu()
         digest = hashlib.sha256(expected.view(torch.uint8).numpy().tobytes()).hexdigest()
         with anyio.fail_after(60), stderr_path.open("wb") as stderr:
             process = await anyio.open_process(

@@ -18,6 +18,7 @@ from encdisagg import Encoder, EncodeRequest, EncodeResult, Modality, MooncakeDe
 from encdisagg.models import Preprocessed
 from encdisagg.transfer import Hold, LoopbackEngine, LoopbackFabric
 
+from ._device_models import DeviceScriptedModel
 from .fakes import RecordingEngine, ScriptedModel
 
 pytestmark = pytest.mark.anyio
@@ -256,6 +257,7 @@ class StreamCheckingEngine:
             self.writes_while_busy += 1
 
 
+@pytest.mark.device
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
     "staging_arena_mb",
@@ -343,15 +345,18 @@ async def test_an_arena_still_held_at_close_stays_registered_and_alive() -> None
     assert buffer() is not None
 
 
+@pytest.mark.device
 async def test_without_an_engine_zmq_pushes_from_an_unregistered_arena(
     make_encoder: MakeEncoder,
 ) -> None:
     # ZMQ only: the arena is a plain buffer (nothing registers it), each embedding that fits
     # is staged into a block, pushed from there, and the block goes back once delivered.
+    # On the tests' device (ENCDISAGG_TEST_DEVICE) the arena lives there too, and each push
+    # goes out of a copy to the host.
     from encdisagg import ZmqDestination
     from encdisagg.transfer import ZmqReceiver
 
-    model = wide_model()
+    model = DeviceScriptedModel(hidden_size=HIDDEN, dtype=torch.float32)
     async with ZmqReceiver() as receiver, make_encoder(model=model, staging_arena_mb=1) as enc:
         assert enc.stats().registered_regions == 0
         for index, tokens in enumerate((100, 600, 1100)):
@@ -362,7 +367,7 @@ async def test_without_an_engine_zmq_pushes_from_an_unregistered_arena(
             with anyio.fail_after(30):
                 part = await receiver.receive()
             assert part.tensor is not None
-            assert torch.equal(part.tensor, expected(model, tokens))
+            assert torch.equal(part.tensor, expected(model, tokens).cpu())
             assert arena_blocks(enc) == 0
             stats = enc.stats()
             assert (stats.live_requests, stats.staged_bytes, stats.registered_regions) == (0, 0, 0)

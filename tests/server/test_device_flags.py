@@ -15,6 +15,8 @@ from encdisagg.server._command import ServeOptions, resolve
 
 from ._helpers import start_and_stop_recording_workers
 
+pytestmark = pytest.mark.device
+
 
 def resolved(*argv: str) -> ServeOptions:
     return resolve(build_parser().parse_args(["serve", "--model", "null", *argv]))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import anyio
 
+from .._devices import check_device_present
 from .._errors import BadRequestError
 from ._demo import DemoOptions, run_demo
 from ._lm import BUILTIN_LANGUAGE_MODELS
@@ -24,6 +25,7 @@ _FIELDS = {
     "new_tokens": "new_tokens",
     "seed": "seed",
     "encoders": "encoders",
+    "device": "device",
     "concurrency": "concurrency",
     "max_images": "max_images",
     "kv_pages": "kv_pages",
@@ -50,6 +52,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
         return 2
     try:
         options = DemoOptions(verbose=not args.quiet, **values)
+        # A CUDA device this machine lacks: refused here, not by every encoder's model load.
+        check_device_present(options.device)
     except BadRequestError as exc:
         print(f"encdisagg demo: {exc}", file=sys.stderr)
         return 2

@@ -140,6 +140,7 @@ async def run_demo(
             config = EncoderConfig(
                 model=options.model,
                 transfer=options.transfer,
+                device=options.device,
                 allow_local_files=False,
                 request_timeout_s=60.0,
                 send_timeout_s=60.0,

@@ -6,7 +6,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._errors import BadRequestError
+from .._devices import check_device
+from .._errors import ConfigError
 from ._decode_types import DecodePhase, DecodeStats, DecodeStatus
 from ._prefill_types import PrefillStats
 
@@ -15,7 +16,7 @@ __all__ = ["DemoOptions", "DemoReport", "RequestOutcome", "request_line"]
 
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
-    """What ``encdisagg demo`` runs. Invalid values raise ``BadRequestError`` naming them."""
+    """What ``encdisagg demo`` runs. Invalid values raise ``ConfigError`` naming them."""
 
     requests: int = 8
     transfer: str = "zmq"
@@ -28,6 +29,9 @@ class DemoOptions:
     #: Seeds the workload: images, prompts, aborts (not the model weights).
     seed: int = 0
     encoders: int = 2
+    #: Where the encoder servers' vision towers run (``"cpu"``, ``"cuda"``, ``"cuda:1"``);
+    #: the language models of prefill, decode and the colocated reference stay on the CPU.
+    device: str = "cpu"
     concurrency: int = 4
     max_images: int = 3
     image_min_side: int = 56
@@ -61,7 +65,8 @@ class DemoOptions:
         )
         for name, ok in checks:
             if not ok:
-                raise BadRequestError(f"{name}: invalid value {getattr(self, name)!r}")
+                raise ConfigError(f"{name}: invalid value {getattr(self, name)!r}")
+        check_device(self.device)
 
 
 @dataclass(frozen=True, slots=True)
