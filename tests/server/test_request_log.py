@@ -5,8 +5,8 @@ as JSON lines."""
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
