@@ -22,7 +22,8 @@ def lm() -> LanguageModel:
 def test_prefill_with_deepstack_equals_the_whole_hf_model(lm: LanguageModel) -> None:
     assert lm.deepstack_layers == 2
     assert lm.embedding_width == 3 * lm.hidden_size
-    encoder = load_model("tiny-qwen3-vl")
+    # The processor-exact path: the reference below preprocesses with HF's own processor.
+    encoder = load_model("tiny-qwen3-vl", preprocess="reference")
     assert lm.embedding_layout == getattr(encoder, "embedding_layout", None)
     pixels = np.random.default_rng(3).integers(0, 256, (70, 100, 3), dtype=np.uint8)
     image = Image.fromarray(pixels, "RGB")

@@ -73,7 +73,8 @@ async def test_startup_failure_is_reported_to_the_test_client(flavour: str) -> N
     # Asyncio only: QuartTrio's test app drives its nursery by hand and corrupts Trio's
     # nursery stack when startup fails. test_runner covers both flavours on real Hypercorn.
     app = own_app(flavour)
-    mount_encoder(app, EncoderConfig(model="no-such-model"))
+    # A folder that is not there: the config takes a path; loading it fails at startup.
+    mount_encoder(app, EncoderConfig(model="./no-such-model"))
     with pytest.raises(LifespanError, match="no-such-model"):
         async with running(app):
             pass

@@ -87,7 +87,7 @@ async def test_startup_failure_raises(make_app: Callable[..., Quart]) -> None:
     with pytest.raises(BaseException) as caught:
         with anyio.fail_after(30):
             await serve(
-                make_app(EncoderConfig(model="no-such-model")),
+                make_app(EncoderConfig(model="./no-such-model")),
                 port=0,
                 shutdown_trigger=anyio.Event().wait,
                 on_serving=lambda url: announced.set(),

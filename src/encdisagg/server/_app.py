@@ -12,28 +12,32 @@ the framework's code). Hypercorn serves only once startup completed.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Final, Literal
 
 import anyio
 from quart import Blueprint, Quart, Response, current_app, request
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException
 
 from .._config import EncoderConfig
 from .._errors import BadRequestError, EncdisaggError, ServiceUnavailableError
 from .._tracing import TRACEPARENT, server_span, set_status
 from ..encoder import Encoder
-from ..nurseries import run_thread_to_completion
 from ._access import ApiKey, PeerAllowList
 from ._backend import Backend, LocalBackend
-from ._client_watch import ClientWatch, note_staged, read_body
+from ._client_watch import ClientWatch, note_staged
 from ._dp import DataParallelBackend
 from ._grpc_serving import grpc_beside
-from ._json import decode_body, shown
+from ._http_bodies import (
+    error_response,
+    http_error_response,
+    json_response,
+    public_message,
+    read_json,
+    require_json_type,
+)
 from ._lifespan import ServiceLifespan
 from ._logs import note_req_id, note_trace_id
 from ._messages import (
@@ -61,17 +65,11 @@ _log = logging.getLogger("encdisagg.server")
 
 Flavour = Literal["asyncio", "trio"]
 
-#: Bodies larger than this are decoded in a worker thread, off the event loop.
-_THREAD_DECODE_BYTES: Final = 256 * 1024
 #: Threads decoding large bodies at once. ``json.loads`` holds the GIL; fewer such threads
 #: leave the event loop's thread more of it, so other requests keep being answered.
 _DECODE_THREADS: Final = 2
 _PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
 _EXTENSION: Final = "encdisagg"
-#: An object's default repr (``<_io.BytesIO object at 0x7f...>``): an address of this process.
-_OBJECT_REPR: Final = re.compile(r"<[^<>]{0,200} at 0x[0-9A-Fa-f]+>")
-#: Longest error message answered; the field it names comes first.
-_MAX_MESSAGE_CHARS: Final = 1000
 
 
 class EncoderService:
@@ -204,24 +202,24 @@ class EncoderService:
             if self._api_key is not None and not self._api_key.allows(
                 request.headers.get("Authorization")
             ):
-                response = _error_response(401, "missing or wrong API key", None)
+                response = error_response(401, "missing or wrong API key", None)
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return response
-            _require_json_type()
-            body = await _read_json(self.settings.max_body_bytes, self._decode_limiter)
+            require_json_type()
+            body = await read_json(self.settings.max_body_bytes, self._decode_limiter)
             if isinstance(body, dict):
                 note_req_id(body.get("req_id"))
             backend = self._require_backend()
             self._admit(route, body)
-            response = _json_response(await call(self, backend, body))
+            response = json_response(await call(self, backend, body))
         except EncdisaggError as exc:
             note_req_id(exc.req_id)
-            response = _error_response(exc.status, _public(exc.message), exc.req_id)
+            response = error_response(exc.status, public_message(exc.message), exc.req_id)
         except HTTPException as exc:
-            response = _http_error_response(exc, self.settings.max_body_bytes)
+            response = http_error_response(exc, self.settings.max_body_bytes)
         except Exception:
             _log.exception("%s failed unexpectedly", route)
-            response = _error_response(500, "internal server error", None)
+            response = error_response(500, "internal server error", None)
         return response
 
     async def health(self) -> Response:
@@ -229,29 +227,29 @@ class EncoderService:
         try:
             report = await self._require_backend().health()
         except EncdisaggError as exc:
-            response = _error_response(503, _public(exc.message), None)
+            response = error_response(503, public_message(exc.message), None)
         except Exception:
             _log.exception("/health failed unexpectedly")
-            response = _error_response(503, "the health check failed", None)
+            response = error_response(503, "the health check failed", None)
         else:
             if report.ok:
-                response = _json_response({"status": "ok", "probed": report.probed})
+                response = json_response({"status": "ok", "probed": report.probed})
             else:
-                response = _error_response(503, _public(report.message), None)
+                response = error_response(503, public_message(report.message), None)
         return response
 
     async def live(self) -> Response:
         """``GET /health/live``: 200 while the process serves requests at all."""
-        return _json_response({"status": "ok"})
+        return json_response({"status": "ok"})
 
     async def ready(self) -> Response:
         """``GET /health/ready``: 200 when the model is loaded, no drain began and (data
         parallel) every worker is up; else 503 naming why. Runs no probe."""
         problem = readiness_problem(self._backend, draining=self.draining)
         if problem is None:
-            response = _json_response({"status": "ok"})
+            response = json_response({"status": "ok"})
         else:
-            response = _error_response(503, problem, None)
+            response = error_response(503, problem, None)
         return response
 
     async def render_metrics(self) -> Response:
@@ -314,79 +312,6 @@ _ROUTES: Final[dict[str, _Route]] = {
     "/scheduler_receive_meta_data": _metadata,
     "/release": _release,
 }
-
-
-class _UnsupportedMediaType(EncdisaggError):
-    status = 415
-
-
-def _require_json_type() -> None:
-    """Refuse a body that is not declared JSON: a browser sends text/plain, form and
-    multipart bodies across sites without asking, never application/json.
-
-    :raises EncdisaggError: with status 415.
-    """
-    if request.mimetype != "application/json":
-        given = request.headers.get("Content-Type")
-        raise _UnsupportedMediaType(
-            "Content-Type must be application/json; got "
-            + ("none" if given is None else shown(given))
-        )
-
-
-def _public(message: str) -> str:
-    """``message`` as it may be answered: a library's text passed on in it may quote an
-    object's repr, and so an address of this process; and it is bounded."""
-    message = _OBJECT_REPR.sub("<object>", message)
-    if len(message) > _MAX_MESSAGE_CHARS:
-        message = message[:_MAX_MESSAGE_CHARS] + "..."
-    return message
-
-
-async def _read_json(limit: int, limiter: anyio.CapacityLimiter | None) -> object:
-    """The request's JSON body. A checkpoint; large bodies are decoded off the loop.
-
-    :raises RequestEntityTooLarge: over ``limit`` (or the app's ``MAX_CONTENT_LENGTH``).
-    :raises BadRequestError: empty, or not JSON.
-    """
-    if request.content_length is not None and request.content_length > limit:
-        raise RequestEntityTooLarge()
-    data = await read_body()
-    if len(data) > limit:
-        raise RequestEntityTooLarge()
-    if not data.strip():
-        raise BadRequestError("the request body is empty; expected a JSON object")
-    if len(data) > _THREAD_DECODE_BYTES:
-        return await run_thread_to_completion(decode_body, data, limiter=limiter)
-    return decode_body(data)
-
-
-def _json_response(payload: object, status: int = 200) -> Response:
-    response: Response = current_app.response_class(
-        json.dumps(payload), status=status, content_type="application/json"
-    )
-    return response
-
-
-#: Seconds a 503 asks its client to wait before trying again.
-_RETRY_AFTER_S: Final = "1"
-
-
-def _error_response(status: int, message: str, req_id: str | None) -> Response:
-    response = _json_response({"status": "error", "message": message, "req_id": req_id}, status)
-    if status == 503:
-        # Over a memory budget, shutting down, no live worker: all pass; say when to retry.
-        response.headers["Retry-After"] = _RETRY_AFTER_S
-    return response
-
-
-def _http_error_response(exc: HTTPException, limit: int) -> Response:
-    status = exc.code or 500
-    if isinstance(exc, RequestEntityTooLarge):
-        message = f"the request body is larger than the limit of {limit} bytes"
-    else:
-        message = exc.description or exc.name
-    return _error_response(status, message, None)
 
 
 def mount_encoder(
@@ -501,7 +426,7 @@ def create_app(
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
-        return _http_error_response(exc, service.settings.max_body_bytes)
+        return http_error_response(exc, service.settings.max_body_bytes)
 
     return app
 

@@ -136,7 +136,7 @@ def encode_response(answer: object) -> pb.EncodeResponse:
 def _public(message: str) -> str:
     # The HTTP routes scrub object reprs (addresses of this process) from answered messages;
     # imported late: the app imports this module only when it serves gRPC.
-    from ._app import _public as scrub
+    from ._http_bodies import public_message as scrub
 
     text = scrub(message)
     return text if len(text) <= _MAX_DETAILS_CHARS else text[:_MAX_DETAILS_CHARS] + "..."
