@@ -12,6 +12,7 @@ from encdisagg.decode import (
     CommitStatus,
     DecodeRequest,
     DecodeTransferQueue,
+    KVSink,
     MetadataSlotAllocator,
 )
 from encdisagg.transfer import Hold, HoldPolicy
@@ -31,7 +32,7 @@ class FakeClock:
 
 
 @dataclass
-class RecordingSink:
+class RecordingSink(KVSink):
     """A KV sink that records every call; commit results and failing releases are scripted."""
 
     results: dict[str, CommitStatus] = field(default_factory=dict)

@@ -22,6 +22,7 @@ from encdisagg.decode import (
     DecodeRequest,
     DecodeTransferQueue,
     KVPoll,
+    KVSink,
     MetadataSlotAllocator,
     PageAllocator,
 )
@@ -54,7 +55,7 @@ class RecordingTracker(AbortAckTracker):
 
 
 @dataclass
-class ModelSink:
+class ModelSink(KVSink):
     """A KV sink that checks every release against the model."""
 
     machine: DecodeCoreMachine

@@ -12,6 +12,7 @@ import pytest
 from encdisagg import (
     BadRequestError,
     EncodeResult,
+    EncoderStats,
     Modality,
     MooncakeDestination,
     NotFoundError,
@@ -256,7 +257,7 @@ def test_metrics_snapshot_wire_and_merge() -> None:
 
 
 def test_metrics_show_the_global_cache_tier() -> None:
-    stats = SimpleNamespace(
+    stats = EncoderStats(
         live_requests=1,
         staged_bytes=64,
         inflight_transfers=0,

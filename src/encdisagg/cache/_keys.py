@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from .._errors import BadRequestError
+from ..models._protocol import ModelOptions
 from ..transfer import dtype_name
 
 if TYPE_CHECKING:
@@ -127,8 +128,8 @@ class KeySpace:
         :raises BadRequestError: naming ``global_cache`` if the model has no identity (its
             embeddings could then not be told apart from another model's).
         """
-        identity = getattr(model, "identity", None)
-        if not isinstance(identity, str) or not identity:
+        identity = ModelOptions.of(model).identity
+        if identity is None:
             raise BadRequestError(
                 f"global_cache needs a model with an 'identity' (a digest of its weights and "
                 f"preprocessing settings), so that different models never share entries; "

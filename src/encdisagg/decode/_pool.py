@@ -20,7 +20,7 @@ from .._errors import InternalError, TransferError
 from ..transfer import Hold, MemoryRegistration, MemoryRegistrationState
 from ._pages import PageAllocator
 from ._slots import MetadataRow
-from ._transfer import CommitStatus, DecodeRequest
+from ._transfer import CommitStatus, DecodeRequest, KVSink
 
 if TYPE_CHECKING:
     from ..transfer import TransferEngine
@@ -368,7 +368,7 @@ class MetadataSlotTable:
             yield self
 
 
-class PagedKVSink:
+class PagedKVSink(KVSink):
     """A :class:`KVSink` over a :class:`KVPagePool` and a :class:`MetadataSlotTable`.
 
     - ``commit`` reads the request's metadata row: an empty tag is ``NOT_READY``; a tag

@@ -75,9 +75,7 @@ class DecodeRequest:
 class KVSink(Protocol):
     """Where a :class:`DecodeTransferQueue` hands requests' KV. All calls are synchronous.
 
-    A sink may also have ``hold(req, hold)``: the queue calls it when it holds ``req`` (a
-    prefill write may still land in its pages and slot until ``hold`` settles), so the sink
-    can keep that memory registered and alive through the hold (:class:`PagedKVSink` does).
+    ``hold`` has a default (do nothing), which a sink gets by subclassing this protocol.
     """
 
     def commit(self, req: DecodeRequest) -> CommitStatus:
@@ -91,6 +89,13 @@ class KVSink(Protocol):
     def abort(self, req: DecodeRequest, message: str) -> None:
         """Finish ``req`` with an error ``message`` (tell the client)."""
         ...
+
+    def hold(self, req: DecodeRequest, hold: Hold) -> None:
+        """The queue holds ``req``: a prefill write may still land in its pages and slot until
+        ``hold`` settles. A sink that must keep that memory registered and alive through the
+        hold does so here (:class:`PagedKVSink` does); by default nothing: the queue keeps
+        the pages out of use itself."""
+        return None
 
 
 _NOTHING_RESOLVED = DeferredResolution()
@@ -388,11 +393,8 @@ class DecodeTransferQueue:
         self._tell_sink(req, hold)
 
     def _tell_sink(self, req: DecodeRequest, hold: Hold) -> None:
-        hold_kv: Callable[[DecodeRequest, Hold], object] | None = getattr(self.kv, "hold", None)
-        if hold_kv is None:
-            return
         try:
-            hold_kv(req, hold)
+            self.kv.hold(req, hold)
         except Exception:
             # The entry stays held and counted here whatever the sink did with the news.
             _log.exception("telling the KV sink that request %r is held raised", req.rid)

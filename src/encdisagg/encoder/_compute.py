@@ -25,10 +25,9 @@ from .._errors import (
 )
 from .._modality import Modality
 from ..cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin, relabel_items
-from ..models import Preprocessed, VisionModel
+from ..models import ModelOptions, Preprocessed, VisionModel
 from ..models._media_limits import MediaLimits
 from ..nurseries import run_thread_to_completion
-from ..transfer import calls_block
 from ._batcher import Batcher, ForwardJob, check_token_count
 from ._cache import PrefixCache
 from ._events import EncoderEvents
@@ -58,7 +57,7 @@ def media_limits(config: EncoderConfig) -> MediaLimits:
 
 def _limited_preprocess(model: VisionModel, limits: MediaLimits) -> Preprocess:
     """``model.preprocess`` with the config's budgets, for a model that takes them."""
-    if getattr(model, "accepts_media_limits", False) is True:
+    if ModelOptions.of(model).accepts_media_limits:
         return partial(model.preprocess, limits=limits)  # type: ignore[call-arg]
     return model.preprocess
 
@@ -118,7 +117,7 @@ class ComputePath:
         #: Fuses forwards of a blocking model; None for a model called inline. Its task is
         #: the Encoder's to run.
         self.batcher: Batcher | None = None
-        if calls_block(model):
+        if ModelOptions.of(model).blocking:
             self.batcher = Batcher(
                 model,
                 max_batch_size=config.max_batch_size,
@@ -128,7 +127,7 @@ class ComputePath:
             )
         self._global = global_cache
         self._keys = keys
-        self._inline = not calls_block(model)
+        self._inline = not ModelOptions.of(model).blocking
         self._limiter = anyio.CapacityLimiter(config.preprocess_threads)
         #: Held while a request preprocesses; its admission is decided once it holds one.
         self._slots = anyio.CapacityLimiter(config.preprocess_threads)
@@ -444,8 +443,7 @@ class ComputePath:
         batch = plan.forward_batch()
         if batch:
             plan.set_outputs(await self.forward(request, batch, holding, trace))
-        device = getattr(self._model, "device", None)
-        device = device if isinstance(device, torch.device) else torch.device("cpu")
+        device = ModelOptions.of(self._model).device or torch.device("cpu")
         if device.type == "cpu":
             tensor, token_counts, grid = plan.assemble(device)
         else:

@@ -22,7 +22,14 @@ import anyio
 from .. import _tracing
 from .._errors import TransferError, TransferTimeoutError
 from ..nurseries import run_thread_to_completion
-from ..transfer import EmbeddingHeader, EmbeddingLayout, Hold, ZmqPushPool, payload_view
+from ..transfer import (
+    EmbeddingHeader,
+    EmbeddingLayout,
+    EngineOptions,
+    Hold,
+    ZmqPushPool,
+    payload_view,
+)
 from ._jobs import Job
 from ._regions import RegionOwner
 from ._staged import Staged
@@ -48,7 +55,7 @@ class Delivery:
         self._zmq = zmq
         self._layout = layout
         # Looked up once: the engine is the region owner's for its whole life.
-        self._write_async = getattr(regions.engine, "write_async", None)
+        self._write_async = EngineOptions.of(regions.engine).write_async
 
     async def deliver(self, job: Job, destination: Destination) -> None:
         """Write into a Mooncake destination, or push to a ZMQ one."""

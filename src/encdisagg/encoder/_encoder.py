@@ -16,7 +16,7 @@ import anyio.lowlevel
 from .._config import EncoderConfig
 from .._errors import BadRequestError, ServiceUnavailableError
 from ..cache import GlobalCache, GlobalCacheStats
-from ..models import VisionModel
+from ..models import ModelOptions, VisionModel
 from ..nurseries import ServiceTaskGroup, collapse_single_error
 from ..transfer import TransferEngine, ZmqPushPool
 from ._batcher import Batcher
@@ -127,7 +127,7 @@ class Encoder(anyio.AsyncContextManagerMixin):
                 keys=keys,
             )
             batcher = self._batcher = compute.batcher
-            delivery = Delivery(regions, zmq, layout=getattr(model, "embedding_layout", None))
+            delivery = Delivery(regions, zmq, layout=ModelOptions.of(model).embedding_layout)
             if batcher is not None:
                 # Its queue is closed even if the encoder never got as far as running it.
                 stack.callback(batcher.close)
@@ -296,6 +296,8 @@ class Encoder(anyio.AsyncContextManagerMixin):
             inflight_transfers=0 if lifecycle is None else lifecycle.inflight,
             cache_entries=len(self._cache),
             held_bytes=0 if regions is None else regions.held_bytes,
+            retired_ids=0 if lifecycle is None else lifecycle.table.remembered,
+            retired_bytes=0 if lifecycle is None else lifecycle.table.remembered_bytes,
         )
 
     @property

@@ -40,8 +40,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._config import EncoderConfig
 from .._errors import TransferError, TransferTimeoutError
+from ..models._protocol import ModelOptions
 from ..nurseries import run_thread_to_completion
-from ..transfer import Hold, MemoryRegistration, TransferEngine, calls_block
+from ..transfer import EngineOptions, Hold, MemoryRegistration, TransferEngine
 from ._arena import StagingArena
 from ._budget import StagedBudget
 from ._held import HeldStaging
@@ -81,7 +82,7 @@ class RegionOwner:
     ) -> None:
         self.engine = engine
         self._budget = budget
-        self._blocking = calls_block(engine)
+        self._blocking = EngineOptions.of(engine).blocking
         self._arena_bytes = arena_bytes
         self._device = device
         self._cleanup_timeout_s = cleanup_timeout_s
@@ -112,7 +113,7 @@ class RegionOwner:
         config: EncoderConfig,
     ) -> RegionOwner:
         """An owner whose arena (``config.arena_bytes``) lives on the model's device."""
-        device = getattr(model, "device", None)
+        device = ModelOptions.of(model).device
         return cls(
             engine,
             budget,

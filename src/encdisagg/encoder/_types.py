@@ -151,6 +151,9 @@ class EncoderStats:
     ``held_bytes``: staged bytes a transfer may still touch (it ended with an unknown
     outcome); they stay counted in ``staged_bytes`` too until the engine reports the
     transfer ended.
+
+    ``retired_ids`` / ``retired_bytes``: ended and abandoned request ids the encoder still
+    remembers (to answer 409 and late waiters), and the bytes they and their errors hold.
     """
 
     live_requests: int
@@ -159,3 +162,5 @@ class EncoderStats:
     inflight_transfers: int
     cache_entries: int
     held_bytes: int = 0
+    retired_ids: int = 0
+    retired_bytes: int = 0

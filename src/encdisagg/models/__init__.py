@@ -1,6 +1,7 @@
 """Vision models behind the ``VisionModel`` protocol.
 
-- :class:`VisionModel` / :class:`Preprocessed`: what the Encoder drives, and what
+- :class:`VisionModel` / :class:`Preprocessed`: what the Encoder drives (its optional
+  members and their defaults: :class:`ModelOptions`), and what
   ``preprocess`` hands to ``forward``.
 - :func:`load_model`: the built-in ``"tiny"`` (seeded Qwen2-VL architecture) and
   ``"tiny-qwen2.5-vl"``, or a local checkpoint folder; returns a :class:`QwenVisionModel`.
@@ -34,6 +35,7 @@ from ._media import (
 )
 from ._null import NullVisionModel as NullVisionModel
 from ._protocol import (
+    ModelOptions as ModelOptions,
     Preprocessed as Preprocessed,
     VisionModel as VisionModel,
     split_embedding as split_embedding,
@@ -57,6 +59,7 @@ from ._tiny_qwen3_vl import (
 
 __all__ = (
     "VisionModel",
+    "ModelOptions",
     "Preprocessed",
     "split_embedding",
     "load_model",

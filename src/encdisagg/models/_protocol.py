@@ -13,8 +13,9 @@ from .._errors import InternalError
 if TYPE_CHECKING:
     from .._modality import Modality
     from .._video_timing import VideoTiming
+    from ..transfer import EmbeddingLayout
 
-__all__ = ["Preprocessed", "VisionModel", "split_embedding"]
+__all__ = ["ModelOptions", "Preprocessed", "VisionModel", "split_embedding"]
 
 
 # eq=False: features hold tensors, whose == is elementwise; two Preprocessed values are the
@@ -73,10 +74,8 @@ class VisionModel(Protocol):
     ``preprocess`` may run in several worker threads at once; ``forward`` runs in one worker
     thread at a time, which need not be the thread that built the model.
 
-    Optional: a class attribute ``blocking = False`` says that both calls finish in
-    microseconds without I/O (like :class:`NullVisionModel`); the Encoder then calls them
-    inline on its event loop, with no worker thread and no batching. Without it, a model is
-    taken to block.
+    A model may also declare the optional members :class:`ModelOptions` lists (with the
+    defaults a model that leaves one out gets); the protocol itself asks only for these four.
     """
 
     @property
@@ -123,3 +122,45 @@ def split_embedding(rows: torch.Tensor, token_counts: Sequence[int]) -> list[tor
             f"Encoder produced {produced} tokens, but preprocessor metadata expected {expected}"
         )
     return list(torch.split(rows, list(token_counts), dim=0))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOptions:
+    """The optional members of a :class:`VisionModel`, each with the default a model that does
+    not declare it gets. A model declares one as an attribute (or property) of that name.
+
+    The protocol keeps them out of its required members, so that any object with the four
+    required ones is a model; :meth:`of` is the one place their presence is asked.
+    """
+
+    #: ``False``: ``preprocess`` and ``forward`` finish in microseconds without I/O (like
+    #: :class:`NullVisionModel`), so the Encoder calls them inline on its event loop, with
+    #: no worker thread and no batching.
+    blocking: bool = True
+    #: ``True``: ``preprocess`` takes a ``limits=`` keyword (the config's media budgets).
+    accepts_media_limits: bool = False
+    #: How an embedding's columns split (Qwen3-VL's deepstack), for receivers to check.
+    embedding_layout: EmbeddingLayout | None = None
+    #: Where ``forward`` leaves its tensors (CPU when not said).
+    device: torch.device | None = None
+    #: The modalities the model encodes.
+    modalities: frozenset[Modality] | None = None
+    #: A digest of the weights and preprocessing settings (the global cache's namespace).
+    identity: str | None = None
+
+    @classmethod
+    def of(cls, model: object) -> ModelOptions:
+        """What ``model`` declares, defaults for the rest. Not async; reads each member once
+        (a value of the wrong type counts as not declared)."""
+        blocking = getattr(model, "blocking", True)
+        device = getattr(model, "device", None)
+        modalities = getattr(model, "modalities", None)
+        identity = getattr(model, "identity", None)
+        return cls(
+            blocking=bool(blocking),
+            accepts_media_limits=getattr(model, "accepts_media_limits", False) is True,
+            embedding_layout=getattr(model, "embedding_layout", None),
+            device=device if isinstance(device, torch.device) else None,
+            modalities=modalities if isinstance(modalities, frozenset) else None,
+            identity=identity if isinstance(identity, str) and identity else None,
+        )

@@ -23,7 +23,7 @@ from .._config import EncoderConfig
 from .._errors import EncdisaggError, ServiceUnavailableError
 from .._modality import Modality
 from ..encoder import Encoder, EncodeRequest, EncodeResult
-from ..models import NullVisionModel, VisionModel
+from ..models import ModelOptions, NullVisionModel, VisionModel
 from ..nurseries import ServiceTaskGroup, collapse_single_error, run_thread_to_completion
 from ._heap import freeze_startup_heap
 from ._messages import EncodeBody, MetadataBody, ReceiveUrlBody, SendBody
@@ -117,8 +117,7 @@ def _probe_png(index: int) -> str:
 def _probe_item(model: object, index: int) -> tuple[str, Modality]:
     """The probe's item and modality: a tiny PNG, or a 0.1 s WAV for a model that encodes
     audio and no images."""
-    modalities = getattr(model, "modalities", None)
-    if isinstance(modalities, frozenset) and modalities == {Modality.AUDIO}:
+    if ModelOptions.of(model).modalities == frozenset({Modality.AUDIO}):
         from ..models._audio_media import probe_wav
 
         return probe_wav(index), Modality.AUDIO

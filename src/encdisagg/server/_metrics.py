@@ -116,7 +116,7 @@ _CACHE_COUNTERS: Final = {
 #: What EncoderStats and the local PrefixCache report (the rest comes from the global tier
 #: and the request table).
 _ENCODER_GAUGES: Final = tuple(
-    name for name in _GAUGES if not name.startswith(("global_", "retired_"))
+    name for name in _GAUGES if not name.startswith("global_")
 )
 _LOCAL_CACHE: Final = tuple(name for name in _CACHE_COUNTERS if not name.startswith("global_"))
 
@@ -184,7 +184,6 @@ class EncoderMetrics:
         if encoder is not None:
             stats = encoder.stats()
             gauges.update({name: int(getattr(stats, name)) for name in _ENCODER_GAUGES})
-            gauges["retired_ids"], gauges["retired_bytes"] = _remembered(encoder)
             cache_stats = encoder.cache.stats()
             cache.update({name: int(getattr(cache_stats, name)) for name in _LOCAL_CACHE})
             global_stats = encoder.global_cache_stats()
@@ -199,17 +198,6 @@ class EncoderMetrics:
             gauges=gauges,
             cache=cache,
         )
-
-
-def _remembered(encoder: Encoder) -> tuple[int, int]:
-    """The ended and abandoned ids ``encoder``'s request table remembers, and their bytes."""
-    # EncoderStats has no field for these yet; the table is reached through the lifecycle
-    # (absent from stand-ins that only offer stats()).
-    lifecycle = getattr(encoder, "_lifecycle", None)
-    if lifecycle is None:
-        return 0, 0
-    table = lifecycle.table
-    return table.remembered, table.remembered_bytes
 
 
 @dataclass(frozen=True)

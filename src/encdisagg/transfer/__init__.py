@@ -13,7 +13,7 @@
 - ZMQ push and pull that work on asyncio and Trio: :class:`ZmqPushPool`, :class:`ZmqReceiver`.
 """
 
-from ._engine import TransferEngine as TransferEngine
+from ._engine import EngineOptions as EngineOptions, TransferEngine as TransferEngine
 from ._holds import HeldLedger as HeldLedger, Hold as Hold, HoldPolicy as HoldPolicy
 from ._keeper import KeepsMemory as KeepsMemory, leave_with_engine as leave_with_engine
 from ._layout import (
@@ -25,7 +25,6 @@ from ._loopback import LoopbackEngine as LoopbackEngine, LoopbackFabric as Loopb
 from ._memory_registration import (
     MemoryRegistration as MemoryRegistration,
     MemoryRegistrationState as MemoryRegistrationState,
-    calls_block as calls_block,
 )
 from ._mooncake import MooncakeEngine as MooncakeEngine
 from ._wire import (
@@ -44,6 +43,7 @@ from ._zmq import ZmqPushPool as ZmqPushPool
 from ._zmq_pull import ReceivedPart as ReceivedPart, ZmqReceiver as ZmqReceiver
 
 __all__ = (
+    "EngineOptions",
     "TransferEngine",
     "Hold",
     "HeldLedger",
@@ -51,7 +51,6 @@ __all__ = (
     "KeepsMemory",
     "MemoryRegistration",
     "MemoryRegistrationState",
-    "calls_block",
     "leave_with_engine",
     "LoopbackEngine",
     "LoopbackFabric",

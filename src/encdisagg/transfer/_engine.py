@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["TransferEngine"]
+__all__ = ["EngineOptions", "TransferEngine"]
 
 
 @runtime_checkable
@@ -62,3 +64,28 @@ class TransferEngine(Protocol):
     def write(self, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
         """Copy ``nbytes`` from local ``local_ptr`` to ``remote_ptr`` in ``target_session``."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """The optional members of a :class:`TransferEngine`, each with the default an engine that
+    does not declare it gets; :meth:`of` is the one place their presence is asked.
+
+    (``keep_until_closed`` is :class:`~encdisagg.transfer.KeepsMemory`, a protocol of its own.)
+    """
+
+    #: ``False``: every call finishes in microseconds without waiting on a peer (like
+    #: :class:`LoopbackEngine`'s), so callers make them inline on the event loop.
+    blocking: bool = True
+    #: ``write_async(target_session, local_ptr, remote_ptr, nbytes)``: :meth:`write`
+    #: awaited on the event loop instead of in a worker thread (:class:`MooncakeEngine`).
+    write_async: Callable[..., Awaitable[None]] | None = None
+
+    @classmethod
+    def of(cls, engine: object) -> EngineOptions:
+        """What ``engine`` declares, defaults for the rest. Not async."""
+        write_async = getattr(engine, "write_async", None)
+        return cls(
+            blocking=bool(getattr(engine, "blocking", True)),
+            write_async=write_async if callable(write_async) else None,
+        )

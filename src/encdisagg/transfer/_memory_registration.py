@@ -28,24 +28,19 @@ import anyio.to_thread
 
 from .._errors import InternalError, TransferError
 from ..nurseries import ThreadSafeEvent, run_thread_to_completion
+from ._engine import EngineOptions
 from ._holds import Hold
 from ._keeper import leave_with_engine
 
 if TYPE_CHECKING:
     from ._engine import TransferEngine
 
-__all__ = ["MemoryRegistration", "MemoryRegistrationState", "calls_block"]
+__all__ = ["MemoryRegistration", "MemoryRegistrationState"]
 
 _log = logging.getLogger("encdisagg.transfer")
 
 _FIRST_RETRY_S = 0.05
 _MAX_RETRY_S = 1.0
-
-
-def calls_block(part: object) -> bool:
-    """Whether an engine's (or a model's) calls may block, so that they run in worker
-    threads: True unless it says ``blocking = False``."""
-    return bool(getattr(part, "blocking", True))
 
 
 class MemoryRegistrationState(enum.Enum):
@@ -100,7 +95,7 @@ class MemoryRegistration:
         self.ptr = ptr
         self.nbytes = nbytes
         self.what = what
-        self.blocking = calls_block(engine)
+        self.blocking = EngineOptions.of(engine).blocking
         self._keepalive: object = keepalive
         #: Called once, in the thread that deregistered, right after the engine let go (an
         #: owner may replace it while the registration is still in force).
