@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
+
+from ..registry._etcd_server import free_port
 
 DOCS = Path(__file__).parents[2] / "docs" / "server.md"
 SECTION = "## Trying the data path from a shell"
@@ -30,13 +31,6 @@ def _blocks() -> tuple[list[str], list[str]]:
     section = text[text.index(SECTION) :]
     commands, printed = re.findall(r"```(?:bash)?\n(.*?)```", section, re.S)[:2]
     return commands.strip().splitlines(), printed.strip().splitlines()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _argv(line: str, ports: dict[str, str]) -> tuple[list[str], bool]:
@@ -72,7 +66,7 @@ def _wait_ready(url: str, server: subprocess.Popen[str]) -> None:
 
 def test_the_shell_commands_of_the_docs_run_as_written(in_folder_with_media: Path) -> None:
     commands, printed = _blocks()
-    http_port, zmq_port = _free_port(), _free_port()
+    http_port, zmq_port = free_port(), free_port()
     ports = {"8000": str(http_port), "5555": str(zmq_port)}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     background: list[subprocess.Popen[str]] = []

@@ -3,40 +3,40 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 __all__ = ["add_encode", "add_loadgen", "add_receive"]
 
 _BACKENDS = ("asyncio", "trio")
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive; got {text!r}")
-    return value
+def _number(kind: type[float] | type[int], low: float, high: float | None = None) -> Any:
+    """An argparse type: ``kind`` parsed from the text, at least ``low`` (above it for a
+    float with no ``high``: a duration), below ``high`` when given."""
+    name = "an integer" if kind is int else "a number"
+    if kind is int:
+        rule = f"must be at least {low:g}"
+    elif high is None:
+        rule = "must be positive" if low == 0 else f"must be more than {low:g}"
+    else:
+        rule = f"must be in [{low:g}, {high:g})"
+
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {name}: {text!r}") from None
+        inside = low <= value if kind is int or high is not None else low < value
+        if not inside or (high is not None and not value < high):
+            raise argparse.ArgumentTypeError(f"{rule}; got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1; got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1); got {text!r}")
-    return value
+_positive_float = _number(float, 0)
+_positive_int = _number(int, 1)
+_fraction = _number(float, 0, 1)
 
 
 def _size(text: str) -> tuple[int, int]:

@@ -9,12 +9,11 @@ import sys
 from typing import TextIO
 
 import anyio
-import torch
 
 from .._errors import EncdisaggError
-from ..transfer import ReceivedPart, ZmqReceiver
+from ..transfer import ReceivedPart, ZmqReceiver, payload_view
 
-__all__ = ["describe", "payload_bytes", "run_receive"]
+__all__ = ["describe", "run_receive"]
 
 
 def describe(part: ReceivedPart) -> dict[str, object]:
@@ -29,7 +28,7 @@ def describe(part: ReceivedPart) -> dict[str, object]:
         line["error"] = header.error
         line["status"] = header.status
         return line
-    digest = hashlib.sha256(payload_bytes(part.tensor)).hexdigest()
+    digest = hashlib.sha256(payload_view(part.tensor.contiguous())).hexdigest()
     line.update(
         shape=list(header.shape),
         dtype=header.dtype,
@@ -38,11 +37,6 @@ def describe(part: ReceivedPart) -> dict[str, object]:
         sha256=digest[:16],
     )
     return line
-
-
-def payload_bytes(tensor: torch.Tensor) -> bytes:
-    """The tensor's bytes as they travelled (any dtype, bfloat16 included)."""
-    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def run_receive(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
