@@ -55,9 +55,11 @@ def media_limits(config: EncoderConfig) -> MediaLimits:
     )
 
 
-def _limited_preprocess(model: VisionModel, limits: MediaLimits) -> Preprocess:
+def _limited_preprocess(
+    model: VisionModel, options: ModelOptions, limits: MediaLimits
+) -> Preprocess:
     """``model.preprocess`` with the config's budgets, for a model that takes them."""
-    if ModelOptions.of(model).accepts_media_limits:
+    if options.accepts_media_limits:
         return partial(model.preprocess, limits=limits)  # type: ignore[call-arg]
     return model.preprocess
 
@@ -111,13 +113,16 @@ class ComputePath:
         keys: KeySpace | None = None,
     ) -> None:
         self._model = model
+        # Read once: what the model declares does not change while it serves.
+        options = ModelOptions.of(model)
+        self._device = options.device or torch.device("cpu")
         self._config = config
         self._cache = cache
         self._events = events
         #: Fuses forwards of a blocking model; None for a model called inline. Its task is
         #: the Encoder's to run.
         self.batcher: Batcher | None = None
-        if ModelOptions.of(model).blocking:
+        if options.blocking:
             self.batcher = Batcher(
                 model,
                 max_batch_size=config.max_batch_size,
@@ -127,12 +132,12 @@ class ComputePath:
             )
         self._global = global_cache
         self._keys = keys
-        self._inline = not ModelOptions.of(model).blocking
+        self._inline = not options.blocking
         self._limiter = anyio.CapacityLimiter(config.preprocess_threads)
         #: Held while a request preprocesses; its admission is decided once it holds one.
         self._slots = anyio.CapacityLimiter(config.preprocess_threads)
         self._limits = media_limits(config)
-        self._preprocess = _limited_preprocess(model, self._limits)
+        self._preprocess = _limited_preprocess(model, options, self._limits)
         #: Preprocessed bytes waiting for (or in) a forward, against queued_memory_limit_mb.
         self.queued = QueuedInputs(config.queued_memory_limit_mb)
 
@@ -443,7 +448,7 @@ class ComputePath:
         batch = plan.forward_batch()
         if batch:
             plan.set_outputs(await self.forward(request, batch, holding, trace))
-        device = ModelOptions.of(self._model).device or torch.device("cpu")
+        device = self._device
         if device.type == "cpu":
             tensor, token_counts, grid = plan.assemble(device)
         else:
