@@ -113,11 +113,8 @@ _CACHE_COUNTERS: Final = {
     "global_insert_failures": "Global cache inserts that failed.",
 }
 
-#: What EncoderStats and the local PrefixCache report (the rest comes from the global tier
-#: and the request table).
-_ENCODER_GAUGES: Final = tuple(
-    name for name in _GAUGES if not name.startswith("global_")
-)
+#: What EncoderStats and the local PrefixCache report (the rest comes from the global tier).
+_ENCODER_GAUGES: Final = tuple(name for name in _GAUGES if not name.startswith("global_"))
 _LOCAL_CACHE: Final = tuple(name for name in _CACHE_COUNTERS if not name.startswith("global_"))
 
 #: Set in a health probe's task (and inherited by the tasks it starts): its encode is not a
