@@ -114,6 +114,10 @@ class EncoderConfig:
     zmq_idle_timeout_s: float = 60.0
     #: ZMQ push sockets kept open at once; one more receiver closes the least recently used.
     zmq_max_endpoints: int = 128
+    #: A ZMQ push to an endpoint that refused every connection attempt for this long fails
+    #: then, not after ``zmq_send_timeout_s`` (a receiver that went away); ``None`` waits
+    #: the whole send timeout (a receiver that binds late).
+    zmq_refused_grace_s: float | None = 2.0
     #: The receivers' CURVE public key (Z85): every ZMQ push is then encrypted and
     #: authenticated, and reaches only a receiver holding the matching secret key.
     zmq_curve_server_key: str | None = None
@@ -225,6 +229,9 @@ class EncoderConfig:
             raise ConfigError(
                 f"zmq_idle_timeout_s must be a positive number; got {self.zmq_idle_timeout_s}"
             )
+        grace = self.zmq_refused_grace_s
+        if grace is not None and not grace >= 0:
+            raise ConfigError(f"zmq_refused_grace_s must be >= 0 or None; got {grace}")
         if self.zmq_curve_server_key is not None or self.zmq_curve_server_keys:
             try:
                 self.zmq_push_options()  # a malformed key fails here, naming its field
@@ -287,6 +294,7 @@ class EncoderConfig:
             "send_timeout_s": self.zmq_send_timeout_s,
             "idle_timeout_s": self.zmq_idle_timeout_s,
             "max_endpoints": self.zmq_max_endpoints,
+            "refused_grace_s": self.zmq_refused_grace_s,
             "curve_server_key": None
             if server_key is None
             else curve_key(server_key, "zmq_curve_server_key"),

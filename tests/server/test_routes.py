@@ -18,6 +18,7 @@ from encdisagg import Encoder, EncodeRequest
 from encdisagg.server import EncodeBody
 from encdisagg.transfer import LoopbackEngine, LoopbackFabric, ZmqReceiver
 
+from ..transfer._zmq_helpers import free_tcp_url
 from ._helpers import fast_config, png_data_url, running
 
 pytestmark = pytest.mark.anyio
@@ -204,6 +205,27 @@ async def test_send_mooncake_without_engine_is_a_transfer_error(
         assert answer["status"] == "error"
         assert answer["req_id"] == "m2"
         assert "mooncake" in answer["message"].lower()
+
+
+async def test_send_to_a_receiver_that_refuses_fails_fast_and_frees_the_request(
+    make_app: Callable[..., Quart],
+) -> None:
+    """Nothing listens at the receive URL: ``/send`` answers 502 once the endpoint has
+    refused for ``zmq_refused_grace_s``, not after the (here ten-minute) send timeout."""
+    encoder = Encoder(
+        fast_config(zmq_send_timeout_s=600, send_timeout_s=600, zmq_refused_grace_s=0.2)
+    )
+    async with running(make_app(encoder)) as client:
+        assert (await client.post("/encode", json=encode_body("gone"))).status_code == 200
+        with anyio.fail_after(60):
+            response = await client.post(
+                "/send", json={"req_id": "gone", "receive_url": free_tcp_url()}
+            )
+        assert response.status_code == 502
+        answer = await response.get_json()
+        assert answer["req_id"] == "gone"
+        assert "refused every connection attempt" in answer["message"]
+        assert encoder.stats().live_requests == 0
 
 
 async def test_unknown_and_duplicate_ids(make_app: Callable[..., Quart]) -> None:

@@ -167,7 +167,7 @@ async def test_a_send_waiting_for_a_receiver_not_listening_yet_keeps_its_socket(
     receiver binds, and the message arrives."""
     url = free_tcp_url()
     small = torch.ones(4, 16).half()
-    async with ZmqPushPool(send_timeout_s=30) as pool:
+    async with ZmqPushPool(send_timeout_s=30, refused_grace_s=30) as pool:
         with anyio.fail_after(10):
             async with anyio.create_task_group() as group:
                 group.start_soon(pool.send, url, image_header("late", 4), payload_view(small))
@@ -180,3 +180,36 @@ async def test_a_send_waiting_for_a_receiver_not_listening_yet_keeps_its_socket(
                     assert (await receiver.receive()).header.req_id == "late"
                     await _until(lambda: not connection.refused)
                     assert pool.endpoints == {url}
+
+
+async def test_sends_to_an_endpoint_that_keeps_refusing_fail_after_the_grace() -> None:
+    """Nothing listens at the URL: every send waiting on it fails once the endpoint has
+    refused for the grace, long before the send timeout, and its socket is gone."""
+    url = free_tcp_url()
+    small = torch.ones(4, 16).half()
+    failures: list[str] = []
+    async with ZmqPushPool(send_timeout_s=600, refused_grace_s=0.2) as pool:
+
+        async def push(req_id: str) -> None:
+            with pytest.raises(TransferError, match="refused every connection attempt") as caught:
+                await pool.send(url, image_header(req_id, 4), payload_view(small))
+            assert caught.value.req_id == req_id
+            failures.append(req_id)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as group:
+                for req_id in ("first", "second", "third"):
+                    group.start_soon(push, req_id)
+        assert sorted(failures) == ["first", "second", "third"]
+        assert pool.endpoints == frozenset()
+        # The endpoint is not remembered as dead: a receiver that binds there later is
+        # reached by the next send.
+        async with ZmqReceiver(url) as receiver:
+            with anyio.fail_after(10):
+                await pool.send(url, image_header("back", 4), payload_view(small))
+                assert (await receiver.receive()).header.req_id == "back"
+
+
+def test_a_negative_grace_is_refused() -> None:
+    with pytest.raises(ValueError, match="refused_grace_s"):
+        ZmqPushPool(refused_grace_s=-1)

@@ -41,6 +41,8 @@ _NOTHING_HELD: Final = zmq.MessageTracker()
 DEFAULT_IDLE_TIMEOUT_S: Final = 60.0
 #: Sockets a pool keeps open; a new endpoint beyond it closes the least recently used idle one.
 DEFAULT_MAX_ENDPOINTS: Final = 128
+#: How long a send waits on an endpoint that refuses every connection attempt.
+DEFAULT_REFUSED_GRACE_S: Final = 2.0
 
 
 @final
@@ -74,6 +76,11 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         on, a socket whose peer refuses a connection (a receiver that went away) is closed
         at once instead, unless sends are using it (then as soon as the last one is done,
         unless a connection completed meanwhile).
+    :param refused_grace_s: with ``immediate`` on (inside ``async with``), a send waiting on
+        an endpoint that has refused every connection attempt for this long fails then
+        (:class:`~encdisagg.TransferError`) instead of waiting out ``send_timeout_s``: a
+        receiver that went away is found within about this bound. A receiver that binds
+        within it still gets the message. ``None`` waits the whole send timeout.
     :param max_endpoints: how many sockets the pool keeps: connecting to one more endpoint
         first closes the least recently used socket no send is using. Only while every
         socket is in use does the pool grow past it.
@@ -96,6 +103,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         max_endpoints: int = DEFAULT_MAX_ENDPOINTS,
         curve_server_key: str | bytes | None = None,
         curve_server_keys: Mapping[str, str | bytes] | None = None,
+        refused_grace_s: float | None = DEFAULT_REFUSED_GRACE_S,
     ) -> None:
         if not send_timeout_s > 0:
             raise ValueError(f"send_timeout_s must be > 0; got {send_timeout_s!r}")
@@ -107,6 +115,9 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             raise ValueError(f"idle_timeout_s must be > 0; got {idle_timeout_s!r}")
         if type(max_endpoints) is not int or max_endpoints < 1:
             raise ValueError(f"max_endpoints must be an int >= 1; got {max_endpoints!r}")
+        if refused_grace_s is not None and not refused_grace_s >= 0:
+            raise ValueError(f"refused_grace_s must be >= 0 or None; got {refused_grace_s!r}")
+        self._refused_grace_s = refused_grace_s
         self._curve = CurveClient.create(curve_server_key, curve_server_keys)
         self._idle_timeout_s = idle_timeout_s
         self._max_endpoints = max_endpoints
@@ -330,9 +341,13 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
                     while tracker is None and not connection.broken:
                         await wait_room(connection)
                         tracker = self._queue(connection, head, payload, what)
+                    if tracker is None:
+                        connection.raise_if_given_up(what)
             except anyio.ClosedResourceError:
-                # Another send's failure evicted the socket while this one waited for
-                # room; nothing of this message was queued: retry on a fresh socket.
+                # The socket was evicted while this send waited for room (another send's
+                # failure, or the endpoint kept refusing); nothing of this message was
+                # queued: retry on a fresh socket, unless the endpoint was given up on.
+                connection.raise_if_given_up(what)
                 continue
             except zmq.ZMQError as exc:
                 self._evict(connection)
@@ -453,8 +468,11 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
     def _refused(self, connection: Connection) -> None:
         # Its peer refused a connection (went away, or never listened): ZMQ would retry
         # every 100 ms until the idle sweep. Unused, the socket goes now; else after its
-        # last send (_done_with).
-        if connection.users == 0 and not connection.lock.locked():
+        # last send (_done_with), or once it has refused for the whole grace (with
+        # ZMQ_IMMEDIATE nothing was queued on it: its waiting sends lose only their wait).
+        if (connection.users == 0 and not connection.lock.locked()) or connection.give_up(
+            self._refused_grace_s
+        ):
             self._evict(connection)
 
     def _done_with(self, connection: Connection) -> None:

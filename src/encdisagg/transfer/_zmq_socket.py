@@ -18,6 +18,8 @@ import anyio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from .._errors import TransferError
+
 __all__ = ["Connection", "wait_events", "wait_room", "watch_refusals"]
 
 #: The monitor events a push socket reports: a connection attempt failed (ZMQ retries it),
@@ -81,6 +83,12 @@ class Connection:
     monitor_fd: int = -1
     # Set by a refused connection attempt, cleared by a completed connection.
     refused: bool = False
+    # When the first refusal since the last completed connection (or since connecting)
+    # came, on the event loop's clock; None while not refused.
+    refused_since: float | None = None
+    # The grace after which the pool gave up on the endpoint because it kept refusing:
+    # the sends that waited on the socket then fail instead of connecting afresh.
+    gave_up_after_s: float | None = None
 
     def watch(self) -> None:
         """Start the socket's monitor (for :func:`watch_refusals`). Not a checkpoint."""
@@ -100,6 +108,23 @@ class Connection:
         if self.monitor is not None:
             anyio.notify_closing(self.monitor_fd)
             self.monitor.close(linger=0)
+
+    def give_up(self, grace_s: float | None) -> bool:
+        """Whether the endpoint has refused every attempt for ``grace_s`` (never, if
+        ``None``); if so the sends waiting on it are to fail. Not a checkpoint."""
+        since = self.refused_since
+        if grace_s is None or since is None or anyio.current_time() - since < grace_s:
+            return False
+        self.gave_up_after_s = grace_s
+        return True
+
+    def raise_if_given_up(self, what: str) -> None:
+        """:raises TransferError: the pool gave up on the endpoint (see :meth:`give_up`)."""
+        if self.gave_up_after_s is not None:
+            raise TransferError(
+                f"{what} failed: the endpoint refused every connection attempt for "
+                f"{self.gave_up_after_s} s (nothing listens there)"
+            )
 
     def lost(self, tracker: zmq.MessageTracker) -> bool:
         """Whether closing the socket dropped the message ``tracker`` tracks."""
@@ -131,8 +156,11 @@ async def watch_refusals(connection: Connection, on_refused: Callable[[Connectio
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_CONNECTED:
                 connection.refused = False
+                connection.refused_since = None
             elif event == zmq.EVENT_CONNECT_RETRIED:
                 connection.refused = True
+                if connection.refused_since is None:
+                    connection.refused_since = anyio.current_time()
                 on_refused(connection)
     except (anyio.ClosedResourceError, zmq.ZMQError):
         pass  # closed under it (a ZMQError: closed between two of its calls)
