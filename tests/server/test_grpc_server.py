@@ -253,6 +253,34 @@ async def test_health_is_not_serving_once_a_drain_begins_while_rpcs_still_run(
     assert error.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.anyio
+async def test_encode_is_unavailable_once_the_drain_refuses_encodes_and_admitted_parts_go_on(
+    make_app: Callable[..., Quart],
+) -> None:
+    async with grpc_app(make_app) as app:
+        service: EncoderService = app.extensions["encdisagg"]
+        target = target_of(service)
+        encoder = service.backend.encoder
+        with pulling() as pull:
+            # Admitted before the drain: its destination is registered only afterwards.
+            kept = pb.EncodeRequest(req_id="kept", mm_items=[png_data_url(32, 32)], num_parts=1)
+            async with anyio.create_task_group() as group:
+                group.start_soon(call, target, "Encode", kept)
+                with anyio.fail_after(30):
+                    while encoder.stats().live_requests < 1:
+                        await anyio.sleep(0.01)
+                service.refuse_encodes()
+                new = pb.EncodeRequest(req_id="new", mm_items=[png_data_url(32, 32)], num_parts=1)
+                error = await rpc_error(target, "Encode", new)
+                assert error.code() == grpc.StatusCode.UNAVAILABLE
+                assert "draining" in error.details()
+                register = pb.SchedulerReceiveUrlRequest(
+                    req_id="kept", receive_url=f"127.0.0.1:{pull.port}", receive_count=1
+                )
+                await call(target, "SchedulerReceiveUrl", register)
+            assert len(await pull.receive()) == 2
+
+
 class GatedModel:
     """NullVisionModel whose forward waits for ``gate`` (a unit-test fake)."""
 

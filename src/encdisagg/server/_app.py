@@ -181,8 +181,12 @@ class EncoderService:
         self.draining = True
         self.refusing_encodes = True
 
-    def _admit(self, route: str, body: object) -> None:
-        """:raises ServiceUnavailableError: a new encode while the drain refuses them."""
+    def admit(self, route: str, body: object) -> None:
+        """Whether a call to ``route`` (HTTP, or the gRPC RPC of the same name) is taken
+        now. Not async.
+
+        :raises ServiceUnavailableError: a new encode while the drain refuses them.
+        """
         if route == "/encode" and self.refusing_encodes:
             req_id = body.get("req_id") if isinstance(body, dict) else None
             raise ServiceUnavailableError(
@@ -210,7 +214,7 @@ class EncoderService:
             if isinstance(body, dict):
                 note_req_id(body.get("req_id"))
             backend = self._require_backend()
-            self._admit(route, body)
+            self.admit(route, body)
             response = json_response(await call(self, backend, body))
         except EncdisaggError as exc:
             note_req_id(exc.req_id)

@@ -9,14 +9,15 @@ once the Encoder (or the data-parallel workers) run, and is left before they clo
   registered and sent over gRPC, as SGLang's gRPC language side does anyway;
 - health says SERVING exactly when ``/health/ready`` answers 200: NOT_SERVING from the
   first moment of a drain (``encdisagg serve``'s first signal), while the gRPC server
-  still serves the RPCs that finish the parts in flight;
+  still serves the RPCs that finish the parts in flight; once the drain refuses new encodes,
+  ``Encode`` is ``UNAVAILABLE`` as ``/encode`` is 503;
 - leaving stops the gRPC server (new RPCs refused, those in flight get the Encoder's
   ``shutdown_grace_s``, then are cancelled) before the Encoder releases what is left.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
@@ -81,7 +82,7 @@ async def grpc_beside(
                 SglangService(backend, service.config, peers=service.peers)
             )
         server = GrpcServer(
-            sglang,
+            _Admitted(service, sglang),
             host=settings.grpc_host,
             port=settings.grpc_port,
             ready=ready,
@@ -95,3 +96,23 @@ async def grpc_beside(
             yield server
         finally:
             del _RUNNING[service]
+
+
+class _Admitted:
+    """The SGLang calls the RPCs make, with ``Encode`` refused as ``/encode`` is while the
+    drain refuses new encodes (``UNAVAILABLE``); ``Send`` and ``SchedulerReceiveUrl`` for
+    parts already admitted go on."""
+
+    def __init__(self, service: EncoderService, calls: SglangCalls) -> None:
+        self._service = service
+        self._calls = calls
+
+    async def encode(self, body: Mapping[str, object]) -> object:
+        self._service.admit("/encode", body)
+        return await self._calls.encode(body)
+
+    async def send(self, body: Mapping[str, object]) -> object:
+        return await self._calls.send(body)
+
+    async def scheduler_receive_url(self, body: Mapping[str, object]) -> object:
+        return await self._calls.scheduler_receive_url(body)
