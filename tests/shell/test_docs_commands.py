@@ -111,5 +111,10 @@ def test_the_shell_commands_of_the_docs_run_as_written(in_folder_with_media: Pat
     sent = re.search(r"^(cli-[0-9a-f]+#0): 24 x 64 \(6144 bytes\), sent to tcp://", seen, re.M)
     assert sent is not None, seen
     assert f"req_id={sent[1]}  part=1/1  modality=image  shape=[24,64]" in seen
+    pushed = re.search(rf"req_id={re.escape(sent[1])} .* sha256=([0-9a-f]+)$", seen, re.M)
+    assert pushed is not None, seen
+    # Kept, then fetched over Mooncake: the same bytes as the ZMQ push of the same image.
+    assert "kept#0: 24 x 64 (6144 bytes), kept: encdisagg receive --from" in seen
+    assert f"req_id=kept#0  shape=[24,64]  bytes=6144  tokens=[24]  sha256={pushed[1]}" in seen
     assert re.search(r"^requests=40 ok=40 errors=0 ", seen, re.M), seen
     assert (in_folder_with_media / "latency.svg").read_text().startswith("<svg")

@@ -12,6 +12,7 @@ import pytest
 from encdisagg._cli import build_parser
 from encdisagg._shell._encode import guess_modality, run_encode
 from encdisagg._shell._loadgen import LoadResult, images_for, latency_svg
+from encdisagg._shell._receive import run_receive
 
 
 def _closed_url() -> str:
@@ -89,3 +90,25 @@ def test_bad_values_are_refused_naming_them(
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
     assert said in capsys.readouterr().err
+
+
+def test_a_fetch_needs_a_server_and_part_ids_of_the_printed_form(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_receive(_args("receive", "--transfer", "mooncake")) == 2
+    assert "go with --from URL" in capsys.readouterr().err
+    assert run_receive(_args("receive", "--from", _closed_url())) == 2
+    assert run_receive(_args("receive", "--from", _closed_url(), "no-index")) == 2
+    assert "REQUEST#INDEX" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_fetch_from_an_unreachable_server_exits_1_naming_the_part(
+    backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = _closed_url()
+    argv = ("receive", "--from", url, "gone#0", "--backend", backend)
+    assert run_receive(_args(*argv)) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("req_id=gone#0  error=")
+    assert url in out

@@ -64,6 +64,8 @@ async def _encode(
     ) as client:
         plan = client.plan(req_id, {modality: paths})
         (metadata,) = await client.encode(plan)
+        if args.keep:
+            return metadata, None
         if args.send is None:
             await client.release(plan.parts)
             return metadata, None
@@ -96,6 +98,7 @@ def _report(
             "embedding_dim": metadata.embedding_dim,
             "embedding_size": metadata.embedding_size,
             "sent_to": sent,
+            "kept": args.keep,
         }
         print(json.dumps(summary), file=out)
         return
@@ -103,7 +106,10 @@ def _report(
     for path, tokens, grid in rows:
         shape = "x".join(str(side) for side in grid)
         print(f"{path!s:<{width}}  {modality}  tokens={tokens}  grid={shape}", file=out)
-    fate = f"sent to {sent}" if sent else "released"
+    if args.keep:
+        fate = f"kept: encdisagg receive --from {args.url} {metadata.req_id}"
+    else:
+        fate = f"sent to {sent}" if sent else "released"
     print(
         f"{metadata.req_id}: {metadata.embedding_len} x {metadata.embedding_dim} "
         f"({metadata.embedding_size} bytes), {fate}",

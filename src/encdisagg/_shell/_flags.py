@@ -59,8 +59,9 @@ def add_encode(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "POST /encode the files to a running encoder server (one part, in order) and print "
             "each item's token count and grid. With --send, the server then delivers the "
-            "embedding to a ZMQ receiver (such as `encdisagg receive`); otherwise it is "
-            "released. Exit status 1 if the server refused or failed the request."
+            "embedding to a ZMQ receiver (such as `encdisagg receive`); with --keep it stays "
+            "staged for a receiver that fetches it (`encdisagg receive --from`); otherwise it "
+            "is released. Exit status 1 if the server refused or failed the request."
         ),
     )
     parser.add_argument("url", help="the encoder's base URL, e.g. http://127.0.0.1:8000")
@@ -71,8 +72,14 @@ def add_encode(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the files' modality (default: from the first file's extension)",
     )
     parser.add_argument("--req-id", help="the request id (default: a fresh random one)")
-    parser.add_argument(
+    delivery = parser.add_mutually_exclusive_group()
+    delivery.add_argument(
         "--send", metavar="ENDPOINT", help="ZMQ endpoint to deliver to, e.g. tcp://127.0.0.1:5555"
+    )
+    delivery.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the embedding staged for a receiver to fetch (encdisagg receive --from)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument("--timeout-s", type=_positive_float, default=60.0, help="per call")
@@ -84,14 +91,30 @@ def add_receive(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser = commands.add_parser(
         "receive",
         allow_abbrev=False,
-        help="a ZMQ embedding receiver that prints what arrives",
+        help="a ZMQ or Mooncake embedding receiver that prints what arrives",
         description=(
             "Bind a ZMQ PULL socket, print its endpoint, then one line per embedding part "
             "that arrives: its id, shape, dtype, bytes and a SHA-256 prefix of its bytes. "
-            "Stops after --count parts, after --timeout-s without one, or on Ctrl-C."
+            "Stops after --count parts, after --timeout-s without one, or on Ctrl-C. "
+            "With --from URL PART_ID..., fetch parts staged on that server (`encdisagg "
+            "encode --keep`) over --transfer (mooncake: into memory this process registers "
+            "with its own Mooncake engine; zmq: a push to the bound socket) and print the "
+            "same line for each; exit status 1 if any could not be fetched."
         ),
     )
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="endpoint; port 0 = free")
+    parser.add_argument("part_ids", nargs="*", metavar="PART_ID", help="with --from: parts")
+    parser.add_argument("--from", dest="source", metavar="URL", help="the server to fetch from")
+    parser.add_argument(
+        "--transfer",
+        choices=("zmq", "mooncake"),
+        default="zmq",
+        help="with --from: how the parts travel (default zmq)",
+    )
+    parser.add_argument(
+        "--mooncake-host", default="127.0.0.1", help="this side's Mooncake engine host"
+    )
+    parser.add_argument("--api-key", help="sent as a Bearer token (with --from)")
     parser.add_argument("--count", type=_positive_int, help="stop after this many parts")
     parser.add_argument("--timeout-s", type=_positive_float, help="stop after this long idle")
     parser.add_argument("--json", action="store_true", help="one JSON object a line")

@@ -1,4 +1,5 @@
-"""``encdisagg receive``: a ZMQ PULL endpoint that prints each embedding part it receives."""
+"""``encdisagg receive``: a ZMQ PULL endpoint that prints each embedding part it receives
+(with ``--from``, the parts it fetches: :mod:`._receive_staged`)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,11 @@ def describe(part: ReceivedPart) -> dict[str, object]:
 
 
 def run_receive(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
-    """The command: 0 once it stopped (count reached, idle, Ctrl-C), 1 if binding failed."""
+    """The command: 0 once it stopped (count reached, idle, Ctrl-C), 1 if binding failed
+    or (with ``--from``) a part could not be fetched, 2 for flags that do not fit."""
     out = out or sys.stdout
+    if args.source is not None or args.part_ids or args.transfer != "zmq":
+        return _run_fetch(args, out)
     try:
         anyio.run(_receive, args, out, backend=args.backend)
     except KeyboardInterrupt:
@@ -67,9 +71,42 @@ async def _receive(args: argparse.Namespace, out: TextIO) -> None:
                 print(f"idle for {args.timeout_s:g} s: stopping", file=out, flush=True)
                 return
             received += 1
-            fields = describe(part)
-            if args.json:
-                print(json.dumps(fields), file=out, flush=True)
-            else:
-                text = "  ".join(f"{key}={value}" for key, value in fields.items())
-                print(text.replace(", ", ","), file=out, flush=True)
+            _print(describe(part), args.json, out)
+
+
+def _run_fetch(args: argparse.Namespace, out: TextIO) -> int:
+    if args.source is None or not args.part_ids:
+        print(
+            "encdisagg receive: error: part ids and --transfer mooncake go with --from URL "
+            "PART_ID... (parts kept staged by encdisagg encode --keep)",
+            file=sys.stderr,
+        )
+        return 2
+    from ._receive_staged import fetch_staged, staged_part
+
+    try:
+        for part_id in args.part_ids:
+            staged_part(args.source, part_id)
+    except ValueError as exc:
+        print(f"encdisagg receive: error: {exc}", file=sys.stderr)
+        return 2
+
+    def show(fields: dict[str, object]) -> None:
+        _print(fields, args.json, out)
+
+    try:
+        failed = anyio.run(fetch_staged, args, show, backend=args.backend)
+    except KeyboardInterrupt:
+        return 1
+    except EncdisaggError as exc:
+        print(f"encdisagg receive: error: {exc}", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
+def _print(fields: dict[str, object], as_json: bool, out: TextIO) -> None:
+    if as_json:
+        print(json.dumps(fields), file=out, flush=True)
+    else:
+        text = "  ".join(f"{key}={value}" for key, value in fields.items())
+        print(text.replace(", ", ","), file=out, flush=True)
