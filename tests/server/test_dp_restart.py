@@ -69,6 +69,9 @@ async def test_a_killed_worker_is_started_again_and_serves(anyio_backend_name: s
             )
             assert "starting data-parallel worker 0 again (restart 1)" in server.output
             assert restarted
+            metrics = (await http.get("/metrics")).text
+            assert 'encdisagg_dp_worker_restarts_total{rank="0"} 1.0' in metrics
+            assert 'encdisagg_dp_worker_restarts_total{rank="1"} 0.0' in metrics
             # Both workers serve, the survivor's request included.
             sent = ["b"]
             for index in range(4):

@@ -5,6 +5,7 @@ by ``/send`` calls made after it; a second signal stops at once and says what it
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import anyio
 import anyio.to_thread
@@ -69,10 +70,17 @@ async def test_requests_admitted_before_sigterm_are_sent_after_it(
         await anyio.to_thread.run_sync(server.kill)
 
 
+@pytest.mark.parametrize("dp", [1, 2])
 async def test_a_second_signal_stops_at_once_and_says_what_it_dropped(
-    anyio_backend_name: str,
+    anyio_backend_name: str, dp: int, tmp_path: Path
 ) -> None:
+    # The push to nobody stays in flight until the second signal: the refused endpoint's
+    # grace is as long as the send timeout.
+    config = tmp_path / "serve.toml"
+    config.write_text("[encoder]\nzmq_refused_grace_s = 600.0\n")
     server = await start(
+        f"--dp={dp}",
+        f"--config={config}",
         "--drain-delay=0",
         "--drain-timeout=60",
         worker_class=anyio_backend_name,

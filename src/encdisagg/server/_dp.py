@@ -403,7 +403,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                 _log.warning("worker %s sent malformed metrics: %s", rank, exc.message)
         return ServiceSnapshot(
             MetricsSnapshot.merge(snapshots),
-            tuple(WorkerStatus(w.rank, w.alive, w.load, w.pid) for w in self._workers),
+            tuple(WorkerStatus(w.rank, w.alive, w.load, w.pid, w.restarts) for w in self._workers),
             self.malformed_messages,
         )
 
@@ -412,7 +412,9 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     @property
     def workers(self) -> tuple[WorkerStatus, ...]:
         """Each worker's state now. Not a checkpoint."""
-        return tuple(WorkerStatus(w.rank, w.alive, w.load, w.pid) for w in self._workers)
+        return tuple(
+            WorkerStatus(w.rank, w.alive, w.load, w.pid, w.restarts) for w in self._workers
+        )
 
     def pid_of(self, rank: int) -> int | None:
         """The process id of worker ``rank``."""

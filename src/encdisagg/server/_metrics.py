@@ -304,6 +304,8 @@ class WorkerStatus:
     pending: int
     #: Its process id, once started (its CPU and memory are read from it).
     pid: int | None = None
+    #: How often the front started this rank's process again after it died.
+    restarts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,11 +404,18 @@ class ServerMetrics:
                 "Calls dispatched to the worker and not answered yet.",
                 labels=["rank"],
             )
+            restarts = CounterMetricFamily(
+                "encdisagg_dp_worker_restarts",
+                "Times the front started the data-parallel worker again after it died.",
+                labels=["rank"],
+            )
             for worker in latest.workers:
                 alive.add_metric([str(worker.rank)], 1 if worker.alive else 0)
                 pending.add_metric([str(worker.rank)], worker.pending)
+                restarts.add_metric([str(worker.rank)], worker.restarts)
             yield alive
             yield pending
+            yield restarts
         if latest.malformed_messages is not None:
             yield CounterMetricFamily(
                 "encdisagg_dp_malformed_messages",
