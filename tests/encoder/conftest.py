@@ -6,6 +6,7 @@ from typing import Any
 import pytest
 
 from encdisagg import Encoder, EncoderConfig
+from encdisagg.encoder import EncoderEvents
 
 from .fakes import RecordingEngine, ScriptedModel
 
@@ -33,18 +34,22 @@ def encoders_end_idle(opened_encoders: list[Encoder]) -> Iterator[None]:
 
 @pytest.fixture
 def make_encoder(opened_encoders: list[Encoder]) -> Callable[..., Encoder]:
-    """``make_encoder(model=..., engine=..., **config)`` → an Encoder checked after the test.
+    """``make_encoder(model=..., engine=..., events=..., **config)`` → an Encoder checked
+    after the test.
 
     The staging arena is off unless a test sets ``staging_arena_mb``: most tests here pin
     down the per-request registration path (the arena's fallback); the arena has its own.
     """
 
-    def make(*, model: Any = None, engine: Any = None, **config: Any) -> Encoder:
+    def make(
+        *, model: Any = None, engine: Any = None, events: EncoderEvents | None = None, **config: Any
+    ) -> Encoder:
         config.setdefault("staging_arena_mb", 0)
         encoder = Encoder(
             EncoderConfig.from_mapping(config),
             model=model if model is not None else ScriptedModel(),
             engine=engine,
+            events=events,
         )
         opened_encoders.append(encoder)
         return encoder

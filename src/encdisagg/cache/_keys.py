@@ -106,7 +106,11 @@ class ModalityKeys:
     def for_content(self, item: object, *, max_media_bytes: int) -> str | None:
         """The key of an item that carries its content, or ``None`` (see :func:`content_digest`)."""
         digest = content_digest(item, max_media_bytes=max_media_bytes)
-        return None if digest is None else self._key("content", digest)
+        return None if digest is None else self.for_digest(digest)
+
+    def for_digest(self, digest: str) -> str:
+        """The key of an item whose :func:`content_digest` is ``digest`` (already computed)."""
+        return self._key("content", digest)
 
     def for_model_key(self, cache_key: str) -> str:
         """The key of an item the model preprocessed alone (its ``Preprocessed.cache_key``)."""

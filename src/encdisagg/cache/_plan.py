@@ -80,9 +80,11 @@ class ItemPlan:
         key_builder: ModalityKeys,
         *,
         max_media_bytes: int,
+        digests: Sequence[str] | None = None,
     ) -> ItemPlan:
         """Key every item: by its caller-supplied hash, else by its content when it carries
-        it. Blocks while hashing item bytes.
+        it (``digests``: every item's :func:`~._keys.content_digest`, already computed).
+        Blocks while hashing item bytes.
 
         :raises BadRequestError: if ``hashes`` does not have one entry per item.
         """
@@ -92,6 +94,8 @@ class ItemPlan:
                     f"hashes has {len(hashes)} entries but items has {len(items)}"
                 )
             return cls([key_builder.for_hash(value) for value in hashes], key_builder)
+        if digests is not None and len(digests) == len(items):
+            return cls([key_builder.for_digest(digest) for digest in digests], key_builder)
         keys = [key_builder.for_content(item, max_media_bytes=max_media_bytes) for item in items]
         return cls(keys, key_builder)
 

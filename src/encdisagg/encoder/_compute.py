@@ -9,7 +9,6 @@ concurrent requests of one modality into one worker-thread call.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import anyio
 import torch
@@ -24,13 +23,19 @@ from .._errors import (
     ServiceUnavailableError,
 )
 from .._modality import Modality
-from ..cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin, relabel_items
+from ..cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin
 from ..models import ModelOptions, Preprocessed, VisionModel
-from ..models._media_limits import MediaLimits
 from ..nurseries import run_thread_to_completion
 from ._batcher import Batcher, ForwardJob, check_token_count
 from ._cache import PrefixCache
 from ._events import EncoderEvents
+from ._flights import SharedEncodes
+from ._inputs import (
+    item_subset,
+    limited_preprocess,
+    media_limits as media_limits,
+    preprocess_failure,
+)
 from ._queued import QueuedHolding, QueuedInputs, feature_bytes
 from ._traced import FORWARD_SPAN, PREPROCESS_SPAN, record_batched
 from ._types import EncodeRequest
@@ -39,67 +44,14 @@ __all__ = ["ComputePath"]
 
 #: Called with the preprocessed sizes as soon as they are known (early metadata).
 OnPreprocessed = Callable[[Preprocessed], None]
-Preprocess = Callable[[Sequence[object], Modality], Preprocessed]
-
-
-def media_limits(config: EncoderConfig) -> MediaLimits:
-    """The media budgets ``config`` sets for every request."""
-    return MediaLimits(
-        max_items=config.max_items_per_request,
-        max_image_pixels=config.max_image_pixels,
-        max_request_pixels=config.max_request_pixels,
-        max_audio_seconds=config.max_audio_seconds,
-        max_audio_sample_rate=config.max_audio_sample_rate,
-        max_audio_channels=config.max_audio_channels,
-        max_request_audio_seconds=config.max_request_audio_seconds,
-    )
-
-
-def _limited_preprocess(
-    model: VisionModel, options: ModelOptions, limits: MediaLimits
-) -> Preprocess:
-    """``model.preprocess`` with the config's budgets, for a model that takes them."""
-    if options.accepts_media_limits:
-        return partial(model.preprocess, limits=limits)  # type: ignore[call-arg]
-    return model.preprocess
-
-
-def _items(request: EncodeRequest, indices: Sequence[int] | None) -> Sequence[object]:
-    return request.items if indices is None else [request.items[i] for i in indices]
-
-
-def _preprocess_failure(
-    request: EncodeRequest, indices: Sequence[int] | None, exc: Exception
-) -> Exception:
-    """What the client sees when a model's preprocessing raised ``exc``: ``exc`` itself, or
-    a mapped error whose cause is ``exc``. Errors still name items by their place in the
-    request when only ``indices`` were preprocessed."""
-    mapped: Exception
-    if isinstance(exc, EncdisaggError):
-        if indices is None:
-            return exc
-        mapped = type(exc)(relabel_items(exc.message, indices), req_id=exc.req_id)
-    elif isinstance(exc, (ValueError, TypeError)):
-        detail = str(exc) if indices is None else relabel_items(str(exc), indices)
-        mapped = BadRequestError(
-            f"req_id {request.req_id!r}: preprocessing rejected the input: {detail}",
-            req_id=request.req_id,
-        )
-    else:
-        mapped = InternalError(
-            f"req_id {request.req_id!r}: preprocessing failed: {exc!r}",
-            req_id=request.req_id,
-        )
-    # Setting the cause also hides the context, as ``raise ... from exc`` would.
-    mapped.__cause__ = exc
-    return mapped
 
 
 class ComputePath:
     """Turns an :class:`EncodeRequest` into its embedding rows.
 
-    :meth:`run` returns ``(rows, preprocessed, from_cache)``; ``from_cache`` says the rows
-    are shared with the local cache and must be copied before they are staged.
+    :meth:`run` returns ``(rows, preprocessed, shared)``; ``shared`` says the rows are shared
+    (with the local cache, or with a concurrent request of the same content: ``_flights``)
+    and must be copied before they are staged.
     """
 
     def __init__(
@@ -137,9 +89,13 @@ class ComputePath:
         #: Held while a request preprocesses; its admission is decided once it holds one.
         self._slots = anyio.CapacityLimiter(config.preprocess_threads)
         self._limits = media_limits(config)
-        self._preprocess = _limited_preprocess(model, options, self._limits)
+        self._preprocess = limited_preprocess(model, options, self._limits)
         #: Preprocessed bytes waiting for (or in) a forward, against queued_memory_limit_mb.
         self.queued = QueuedInputs(config.queued_memory_limit_mb)
+        #: Concurrent requests of the same content share one work; the Encoder binds it.
+        self.shared = SharedEncodes(
+            self._run_alone, events=events, max_media_bytes=config.max_media_bytes
+        )
 
     @property
     def model(self) -> VisionModel:
@@ -164,11 +120,21 @@ class ComputePath:
         admitted, the request waits (at most ``request_timeout_s``) for room under that
         budget before it preprocesses. Its preprocessed bytes count against the budget
         until its forward ends (or, cancelled, until the batcher let go of its job).
+        Requests of the same content in flight at once share that work (``_flights``).
         """
         self._check_items(request)
+        return await self.shared.run(request, on_preprocessed, trace)
+
+    async def _run_alone(
+        self,
+        request: EncodeRequest,
+        on_preprocessed: OnPreprocessed,
+        trace: _tracing.Trace | None,
+        digests: Sequence[str] | None,
+    ) -> tuple[torch.Tensor, Preprocessed, bool]:
         holding = QueuedHolding(self.queued)
         try:
-            return await self._run(request, on_preprocessed, holding, trace)
+            return await self._run(request, on_preprocessed, holding, trace, digests)
         finally:
             holding.release()
 
@@ -202,11 +168,12 @@ class ComputePath:
         on_preprocessed: OnPreprocessed,
         holding: QueuedHolding,
         trace: _tracing.Trace | None,
+        digests: Sequence[str] | None,
     ) -> tuple[torch.Tensor, Preprocessed, bool]:
         # The global tier keeps rows and grids but not a video's timing (it comes from the
         # request's fps as the frames are preprocessed): a video goes past it.
         if self._global is not None and request.kind is not Modality.VIDEO:
-            rows, pre = await self._encode_items(request, holding, trace)
+            rows, pre = await self._encode_items(request, holding, trace, digests)
             on_preprocessed(pre)
             return rows, pre, False
         pre = await self.preprocess(request, holding=holding, trace=trace)
@@ -242,10 +209,10 @@ class ComputePath:
             return self._preprocess_now(request, indices)
         start = anyio.current_time()
         try:
-            pre = await self._preprocess_in_thread(request, _items(request, indices), holding)
+            pre = await self._preprocess_in_thread(request, item_subset(request, indices), holding)
         except Exception as exc:
             # The cause is set there (an unmapped error leaves as itself, its cause intact).
-            raise _preprocess_failure(request, indices, exc)  # noqa: B904
+            raise preprocess_failure(request, indices, exc)  # noqa: B904
         self._events.phase("preprocess", anyio.current_time() - start)
         return pre
 
@@ -253,9 +220,9 @@ class ComputePath:
         self, request: EncodeRequest, indices: Sequence[int] | None
     ) -> Preprocessed:
         try:
-            return self._preprocess(_items(request, indices), request.kind)
+            return self._preprocess(item_subset(request, indices), request.kind)
         except Exception as exc:
-            raise _preprocess_failure(request, indices, exc)  # noqa: B904
+            raise preprocess_failure(request, indices, exc)  # noqa: B904
 
     async def _preprocess_in_thread(
         self, request: EncodeRequest, items: Sequence[object], holding: QueuedHolding | None
@@ -411,11 +378,16 @@ class ComputePath:
     # -- per item, through both cache tiers (config.global_cache set) ------------------------
 
     async def _encode_items(
-        self, request: EncodeRequest, holding: QueuedHolding, trace: _tracing.Trace | None
+        self,
+        request: EncodeRequest,
+        holding: QueuedHolding,
+        trace: _tracing.Trace | None,
+        digests: Sequence[str] | None,
     ) -> tuple[torch.Tensor, Preprocessed]:
-        """Key each item; take local hits, then global hits; preprocess and forward only the
-        rest; assemble in item order; insert what was computed (global: in the background).
-        Global-tier failures never fail the request (see docs/cache.md)."""
+        """Key each item (``digests``: content digests already computed); take local hits,
+        then global hits; preprocess and forward only the rest; assemble in item order;
+        insert what was computed (global: in the background). Global-tier failures never
+        fail the request (see docs/cache.md)."""
         global_cache, keys = self._global, self._keys
         assert global_cache is not None
         assert keys is not None
@@ -427,6 +399,7 @@ class ComputePath:
                 request.hashes,
                 key_builder,
                 max_media_bytes=self._config.max_media_bytes,
+                digests=digests,
             ),
             limiter=self._limiter,
         )

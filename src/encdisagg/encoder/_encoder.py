@@ -137,7 +137,12 @@ class Encoder(anyio.AsyncContextManagerMixin):
                     async with anyio.create_task_group() as services:
                         if batcher is not None:
                             await services.start(batcher.run)
-                        async with ServiceTaskGroup("encoder pushes") as pushes:
+                        async with (
+                            # Shared encodes outlive any one request that waits for them.
+                            ServiceTaskGroup("encoder shared encodes") as shared,
+                            ServiceTaskGroup("encoder pushes") as pushes,
+                        ):
+                            compute.shared.bind(shared)
                             lifecycle = self._lifecycle = RequestLifecycle(
                                 config,
                                 compute=compute,

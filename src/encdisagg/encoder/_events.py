@@ -15,7 +15,9 @@ class EncoderEvents:
 
     on_request_done: Callable[[str, str, float], None] | None = None  # modality, status, seconds
     on_phase: Callable[[str, float], None] | None = None  # phase name, seconds
-    on_cache: Callable[[str], None] | None = None  # "hit" | "miss" | "eviction" | "invalid"
+    #: "hit" | "miss" | "eviction" | "invalid", and "joined": a request joined a concurrent
+    #: encode of the same content (single-flight, docs/cache.md) instead of computing its own.
+    on_cache: Callable[[str], None] | None = None
     #: Global cache counters, ``(event, items)``: see :class:`~encdisagg.cache.GlobalCache`.
     on_global_cache: Callable[[str, int], None] | None = None
     on_breaker: Callable[[str], None] | None = None  # "closed" | "open" | "half_open"
