@@ -206,6 +206,12 @@ BENCHES: tuple[Bench, ...] = (
         _own_args,
     ),
     Bench(
+        "affinity",
+        "bench_affinity.py",
+        "3-encoder fleet, ~30 % repeated images: cache hit rate, affine vs least-loaded",
+        _own_args,
+    ),
+    Bench(
         "decoders",
         "bench_decoders.py",
         "strict decoding: hand-written decoders vs msgspec Structs, same bodies",

@@ -15,6 +15,8 @@ from encdisagg.pipeline import serve_asgi
 from encdisagg.receiver import (
     EmbeddingReceiver,
     EncoderClient,
+    EncoderFleet,
+    FleetRouting,
     fetch_embeddings,
     fetch_from_fleet,
 )
@@ -28,6 +30,7 @@ pytestmark = [pytest.mark.anyio, needs_etcd]
 __all__ = ["etcd"]
 
 WAIT_S = 15.0
+LEAST = FleetRouting(routing="least_loaded")
 
 
 def receiver() -> EmbeddingReceiver:
@@ -86,7 +89,8 @@ async def test_requests_flow_over_the_fleet_byte_exact(etcd: EtcdServer) -> None
     async with (
         fleet_encoder(registry) as (_, faults_a, _, _),
         fleet_encoder(registry) as (_, faults_b, _, _),
-        EncoderClient(registry=registry) as client,
+        # Least-loaded: each request's two items go to both idle encoders.
+        EncoderClient(registry=EncoderFleet(registry, routing=LEAST)) as client,
         receiver() as rx,
     ):
         assert client.fleet is not None

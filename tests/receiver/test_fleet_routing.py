@@ -1,4 +1,6 @@
-"""EncoderFleet's routing decisions over a view filled by hand (no etcd needed)."""
+"""EncoderFleet's least-loaded routing decisions over a view filled by hand (no etcd needed).
+
+Affine routing (the default) has its own tests, ``test_routing.py``."""
 
 from __future__ import annotations
 
@@ -9,13 +11,20 @@ import pytest
 import torch
 
 from encdisagg import BadRequestError, Modality, ServiceUnavailableError
-from encdisagg.receiver import EmbeddingReceiver, EncoderClient, EncoderFleet, fetch_from_fleet
+from encdisagg.receiver import (
+    EmbeddingReceiver,
+    EncoderClient,
+    EncoderFleet,
+    FleetRouting,
+    fetch_from_fleet,
+)
 from encdisagg.registry import EncoderLoad, EncoderRecord, KeyValue
 
 pytestmark = pytest.mark.anyio
 
 REGISTRY = "etcd://127.0.0.1:1/fleet"
 ALL = (Modality.IMAGE, Modality.VIDEO, Modality.AUDIO)
+LEAST = FleetRouting(routing="least_loaded")
 
 
 def record(
@@ -48,18 +57,18 @@ def publish(fleet: EncoderFleet, *records: EncoderRecord) -> None:
 
 
 async def test_a_part_goes_to_the_least_loaded_encoder() -> None:
-    fleet = EncoderFleet(REGISTRY)
+    fleet = EncoderFleet(REGISTRY, routing=LEAST)
     publish(fleet, record(1, depth=5), record(2, depth=0), record(3, depth=2))
     plan = fleet.plan("r", {"image": ["a"]})
     assert [part.url for part in plan.parts] == ["http://127.0.0.1:2"]
     # Load is relative to capacity: 4 of 64 is lighter than 1 of 8.
-    fleet = EncoderFleet(REGISTRY)
+    fleet = EncoderFleet(REGISTRY, routing=LEAST)
     publish(fleet, record(1, depth=1), record(2, depth=4, capacity=64))
     assert fleet.plan("r", {"image": ["a"]}).parts[0].url == "http://127.0.0.1:2"
 
 
 async def test_parts_sent_since_the_last_report_count_until_a_new_one_arrives() -> None:
-    fleet = EncoderFleet(REGISTRY)
+    fleet = EncoderFleet(REGISTRY, routing=LEAST)
     publish(fleet, record(1), record(2), record(3))
     chosen = Counter(fleet.plan(f"r{i}", {"image": ["a"]}).parts[0].url for i in range(30))
     # The reports said idle each time; what this client sent meanwhile spreads the load.
@@ -72,7 +81,7 @@ async def test_parts_sent_since_the_last_report_count_until_a_new_one_arrives() 
 
 
 async def test_items_are_cut_over_the_best_encoders_with_affinity_across_modalities() -> None:
-    fleet = EncoderFleet(REGISTRY)
+    fleet = EncoderFleet(REGISTRY, routing=LEAST)
     publish(fleet, record(1), record(2), record(3))
     plan = fleet.plan("req", {"image": ["i0", "i1", "i2", "i3"], "video": ["v0", "v1"]})
     images = [p for p in plan.parts if p.modality is Modality.IMAGE]
@@ -84,13 +93,13 @@ async def test_items_are_cut_over_the_best_encoders_with_affinity_across_modalit
     # One request ranks the encoders alike for every modality.
     assert [p.url for p in videos] == [p.url for p in images][:2]
     assert len({p.url for p in images}) == 3
-    capped = EncoderFleet(REGISTRY, max_parts=2)
+    capped = EncoderFleet(REGISTRY, max_parts=2, routing=LEAST)
     publish(capped, record(1), record(2), record(3))
     assert len(capped.plan("req", {"image": ["a", "b", "c"]}).parts) == 2
 
 
 async def test_only_encoders_of_the_model_and_modality_are_candidates() -> None:
-    fleet = EncoderFleet(REGISTRY, model="null")
+    fleet = EncoderFleet(REGISTRY, model="null", routing=LEAST)
     publish(
         fleet,
         record(1, modalities=(Modality.IMAGE,)),
@@ -109,7 +118,7 @@ async def test_only_encoders_of_the_model_and_modality_are_candidates() -> None:
 
 
 async def test_a_failed_encoder_is_left_out_until_it_reports_again() -> None:
-    fleet = EncoderFleet(REGISTRY)
+    fleet = EncoderFleet(REGISTRY, routing=LEAST)
     publish(fleet, record(1), record(2, depth=3))
     fleet.mark_failed("http://127.0.0.1:1")
     assert fleet.is_suspect("http://127.0.0.1:1")
@@ -123,7 +132,7 @@ async def test_a_failed_encoder_is_left_out_until_it_reports_again() -> None:
 
 
 async def test_a_failover_attempt_is_named_with_characters_no_caller_may_use() -> None:
-    fleet = EncoderFleet(REGISTRY)
+    fleet = EncoderFleet(REGISTRY, routing=LEAST)
     publish(fleet, record(1))
     attempt = fleet._plan_attempt("r", 1, {"image": ["a"]}, ())
     assert (attempt.rid, [p.req_id for p in attempt.parts]) == ("r#~1", ["r#~1#0"])
@@ -137,7 +146,7 @@ async def test_a_failover_attempt_is_named_with_characters_no_caller_may_use() -
 
 @pytest.mark.virtual_time
 async def test_a_suspicion_ends_after_suspect_s() -> None:
-    fleet = EncoderFleet(REGISTRY, suspect_s=5.0)
+    fleet = EncoderFleet(REGISTRY, suspect_s=5.0, routing=LEAST)
     publish(fleet, record(1))
     fleet.mark_failed("http://127.0.0.1:1")
     with pytest.raises(ServiceUnavailableError):
@@ -153,7 +162,7 @@ async def test_the_client_takes_urls_or_a_registry() -> None:
         EncoderClient()
     with pytest.raises(BadRequestError, match="scheme"):
         EncoderClient(registry="http://127.0.0.1:2379")
-    fleet = EncoderFleet(REGISTRY)
+    fleet = EncoderFleet(REGISTRY, routing=LEAST)
     client = EncoderClient(registry=fleet)
     assert client.fleet is fleet
     publish(fleet, record(1), record(2, depth=1))

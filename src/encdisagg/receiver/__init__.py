@@ -7,8 +7,10 @@
 - :class:`EmbeddingReceiver`: where the parts land, over ZMQ or into a registered Mooncake
   :class:`LandingPool`; validates and assembles them (:class:`ReceivedEmbeddings`).
 - :func:`fetch_embeddings`: both together, for one request, with cleanup on every path.
-- :class:`EncoderFleet`: encoders discovered through an etcd registry, routed by load;
-  :func:`fetch_from_fleet` fails parts over between them.
+- :class:`EncoderFleet`: encoders discovered through an etcd registry, each item routed to
+  the encoder likely to hold its embedding under a load bound, or by load alone
+  (:class:`FleetRouting`, :func:`affinity_key`); :func:`fetch_from_fleet` fails parts over
+  between them.
 """
 
 from types import FunctionType as _FunctionType
@@ -38,6 +40,7 @@ from ._received import (
     ReceiverStats as ReceiverStats,
 )
 from ._receiver import EmbeddingReceiver as EmbeddingReceiver
+from ._routing import FleetRouting as FleetRouting, affinity_key as affinity_key
 from ._targets import (
     MooncakeSendTarget as MooncakeSendTarget,
     SendTarget as SendTarget,
@@ -67,6 +70,8 @@ __all__ = (
     "Recheck",
     "fetch_embeddings",
     "EncoderFleet",
+    "FleetRouting",
+    "affinity_key",
     "EncoderLeftError",
     "fetch_from_fleet",
 )

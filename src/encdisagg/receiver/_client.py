@@ -83,8 +83,8 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
     :param transport: an ``httpx`` transport to use instead of the network (tests).
     :param registry: instead of ``urls``, an encoder fleet to discover through etcd
         (``etcd://HOST:PORT/PREFIX``, or an :class:`EncoderFleet`): requests are then
-        planned over its live encoders, least-loaded first (see :class:`EncoderFleet`),
-        and :func:`fetch_from_fleet` fails parts over between them.
+        planned over its live encoders (by affinity under a load bound, or least-loaded:
+        see :class:`EncoderFleet`), and :func:`fetch_from_fleet` fails parts over between them.
     :param model: with ``registry``, only encoders of this model are used.
     """
 

@@ -6,12 +6,17 @@ synchronous decision over that view, made when a request is planned:
 
 - only encoders of the client's model (and transfer kind) that serve the part's modality
   and are not suspected dead are candidates;
-- candidates are ranked least-loaded first: the queue depth they last reported plus the
-  parts this client sent them since that report, over their capacity; staged bytes break
-  ties, then a hash of the request id, so that the parts of one request rank the encoders
-  in the same order for every modality (``req_id`` affinity);
-- a modality's items are cut into runs of consecutive items, one per candidate, as for a
-  fixed list of URLs (:func:`~encdisagg.receiver.assign_parts`).
+- with ``routing="affine"`` (the default, :class:`~._routing.FleetRouting`), each item goes
+  to the encoder most likely to hold its embedding: rendezvous hashing on the item's
+  affinity key, skipping encoders over the load bound (:mod:`._routing`); consecutive items
+  bound for one encoder travel as one part;
+- with ``routing="least_loaded"``, candidates are ranked least-loaded first: the queue
+  depth they last reported plus the parts this client sent them since that report and
+  that are still in flight (:meth:`part_finished`; at most ``recent_s``), over their
+  capacity; staged bytes break ties, then a hash of the request id, so that the parts
+  of one request rank the encoders in the same order for every modality (``req_id``
+  affinity); a modality's items are cut into runs of consecutive items, one per candidate,
+  as for a fixed list of URLs (:func:`~encdisagg.receiver.assign_parts`).
 
 An encoder that failed a call (connection lost, 503) is suspected until it publishes a new
 record or ``suspect_s`` passes; a draining encoder takes no new parts; an encoder whose
@@ -34,6 +39,7 @@ from .._errors import BadRequestError, ServiceUnavailableError
 from .._modality import Modality
 from ..registry import EncoderRecord, RegistryUrl, RegistryView, RegistryWatcher
 from ._plan import PartPlan, RequestPlan, _normalise, attempt_rid, check_rid
+from ._routing import FleetRouting, Slot, affinity_key, route_items
 
 __all__ = ["EncoderFleet"]
 
@@ -62,6 +68,7 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         encoder has published no newer figure.
     :param sync_timeout_s: bound on the wait for the first read when entering.
     :param transport: an ``httpx`` transport for the etcd calls.
+    :param routing: how items are routed (default: affine, ``load_bound`` 1.25).
     """
 
     def __init__(
@@ -75,6 +82,7 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         recent_s: float = 5.0,
         sync_timeout_s: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        routing: FleetRouting | None = None,
     ) -> None:
         if max_parts is not None and (isinstance(max_parts, bool) or max_parts < 1):
             raise BadRequestError(f"max_parts must be an integer >= 1; got {max_parts!r}")
@@ -86,6 +94,7 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         self._suspect_s = suspect_s
         self._recent_s = recent_s
         self._sync_timeout_s = sync_timeout_s
+        self.routing = routing or FleetRouting()
         #: url -> (when it was suspected, the record it had then).
         self._suspects: dict[str, tuple[float, EncoderRecord | None]] = {}
         #: url -> when this client sent it each part lately, and the record it saw then.
@@ -184,6 +193,13 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
             self._sent_against[record.url] = record
         self._sent.setdefault(record.url, deque()).append(anyio.current_time())
 
+    def part_finished(self, url: str) -> None:
+        """A part this client sent to ``url`` ended (delivered or failed): it stops counting
+        towards the encoder's load before the encoder's next report. Not a checkpoint."""
+        sent = self._sent.get(url)
+        if sent:
+            sent.popleft()
+
     def ranked(
         self, rid: str, modality: Modality, exclude: Collection[str] = ()
     ) -> list[EncoderRecord]:
@@ -200,12 +216,15 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         *,
         exclude: Collection[str] = (),
     ) -> RequestPlan:
-        """Split request ``rid``'s items into parts over the least-loaded encoders.
+        """Split request ``rid``'s items into parts over the encoders, as :attr:`routing`
+        says.
 
-        Not a checkpoint. Each modality's items are cut into at most as many runs of
-        consecutive items as there are candidates (and ``max_parts``), sizes differing by
-        one at most, each run going to the next-best candidate. Numbering is as
-        :func:`~encdisagg.receiver.assign_parts`'s: modality-outer, item order inside.
+        Not a checkpoint. Affine: each item goes to its rendezvous winner under the load
+        bound, consecutive items bound for one encoder making one part. Least-loaded (or
+        affine needing more than ``max_parts`` parts): each modality's items are cut into at
+        most as many runs of consecutive items as there are candidates (and ``max_parts``),
+        sizes differing by one at most, each run going to the next-best candidate. Numbering
+        is as :func:`~encdisagg.receiver.assign_parts`'s: modality-outer, item order inside.
 
         :param exclude: encoders not to use (those that failed this request already).
         :raises BadRequestError: naming the field (empty id, no items, unknown modality).
@@ -239,6 +258,12 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
                     f"{len(self.view)} registered)",
                     req_id=rid,
                 )
+            affine = None
+            if self.routing.routing == "affine":
+                affine = self._affine_runs(ranked, values)
+            if affine is not None:
+                runs.extend((modality, record, run, first) for record, run, first in affine)
+                continue
             n_runs = min(len(ranked), len(values), self._max_parts or len(values))
             base, extra = divmod(len(values), n_runs)
             offset = 0
@@ -263,6 +288,30 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
                 for index, (modality, record, run_items, first) in enumerate(runs)
             ),
         )
+
+    def _affine_runs(
+        self, candidates: Sequence[EncoderRecord], values: Sequence[object]
+    ) -> list[tuple[EncoderRecord, tuple[object, ...], int]] | None:
+        """``values`` routed by affinity, as runs of consecutive items bound for one encoder
+        (``(record, items, first item)``); ``None`` if that takes more runs than
+        ``max_parts`` (the caller then cuts them least-loaded)."""
+        by_url = {record.url: record for record in candidates}
+        slots = [
+            Slot(r.url, r.load.queue_depth + self._recent(r), max(r.capacity, 1))
+            for r in candidates
+        ]
+        targets = route_items(
+            [affinity_key(value) for value in values], slots, load_bound=self.routing.load_bound
+        )
+        runs: list[tuple[EncoderRecord, tuple[object, ...], int]] = []
+        start = 0
+        for index in range(1, len(values) + 1):
+            if index == len(values) or targets[index] != targets[start]:
+                runs.append((by_url[targets[start]], tuple(values[start:index]), start))
+                start = index
+        if self._max_parts is not None and len(runs) > self._max_parts:
+            return None
+        return runs
 
     # -- waits -------------------------------------------------------------------------------
 

@@ -161,6 +161,9 @@ async def _gather(
             if exc.status in _FAILOVER_STATUSES or exc.status == TIMED_OUT:
                 fleet.mark_failed(part.url)
             raise
+        finally:
+            # No longer in flight on that encoder, as far as this client's routing counts.
+            fleet.part_finished(part.url)
         pending.note_sent(part.part_idx)
 
     async def watch_departures() -> None:
