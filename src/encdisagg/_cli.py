@@ -135,9 +135,10 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--wire",
-        metavar="{encdisagg,sglang}",
+        metavar="{encdisagg,sglang,vllm}",
         help="the routes' protocol: ours (default), or sglang: SGLang 0.5.20's language side "
-        "uses this server as its encoder (--encoder-urls; docs/sglang.md)",
+        "uses this server as its encoder (--encoder-urls; docs/sglang.md), or vllm: vLLM's "
+        "disaggregated-encoder proxy does (docs/vllm.md)",
     )
     parser.add_argument(
         "--register-with",
@@ -166,6 +167,44 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--ready-min-workers",
         metavar="N",
         help="with --dp: /health/ready answers 200 while at least N workers serve (default 1)",
+    )
+    parser.add_argument(
+        "--vllm-connector",
+        metavar="{example,mooncake}",
+        help="with --wire vllm: the PD's EC connector: example (shared storage, default) or "
+        "mooncake (push into the PD's buffers; needs --transfer mooncake)",
+    )
+    parser.add_argument(
+        "--vllm-storage-path",
+        metavar="DIR",
+        help="with --vllm-connector example: the PD's shared_storage_path",
+    )
+    parser.add_argument(
+        "--vllm-store-max-bytes",
+        metavar="BYTES",
+        help="with --vllm-connector example: sweep the oldest files beyond this many bytes "
+        "(default 8 GiB)",
+    )
+    parser.add_argument(
+        "--vllm-store-max-age",
+        metavar="SECONDS",
+        help="with --vllm-connector example: sweep files older than this (default 3600)",
+    )
+    parser.add_argument(
+        "--vllm-dtype",
+        metavar="DTYPE",
+        help="with --vllm-connector example: the files' dtype, the PD's (default: --dtype's)",
+    )
+    parser.add_argument(
+        "--vllm-control-timeout",
+        metavar="SECONDS",
+        help="with --vllm-connector mooncake: bound on each control exchange (default 30)",
+    )
+    parser.add_argument(
+        "--vllm-refresh-after",
+        metavar="SECONDS",
+        help="with --vllm-connector mooncake: refresh reservations older than this before "
+        "writing (default 150)",
     )
     parser.set_defaults(handler=_serve)
 

@@ -53,6 +53,7 @@ from ._probes import readiness_problem
 from ._request_log import AccessLog
 from ._settings import ServerSettings
 from ._sglang_routes import mount_sglang
+from ._vllm._routes import mount_vllm
 
 __all__ = [
     "EncoderService",
@@ -60,6 +61,9 @@ __all__ = [
     "create_trio_app",
     "mount_encoder",
 ]
+
+#: The routes that start new encodes: the drain refuses them once its delay passed.
+_NEW_WORK_ROUTES: Final = frozenset({"/encode", "/v1/chat/completions"})
 
 _log = logging.getLogger("encdisagg.server")
 
@@ -182,12 +186,12 @@ class EncoderService:
         self.refusing_encodes = True
 
     def admit(self, route: str, body: object) -> None:
-        """Whether a call to ``route`` (HTTP, or the gRPC RPC of the same name) is taken
-        now. Not async.
+        """Take a call to ``route`` (HTTP, or the gRPC RPC of the same name) now, or refuse
+        it. Not async.
 
         :raises ServiceUnavailableError: a new encode while the drain refuses them.
         """
-        if route == "/encode" and self.refusing_encodes:
+        if route in _NEW_WORK_ROUTES and self.refusing_encodes:
             req_id = body.get("req_id") if isinstance(body, dict) else None
             raise ServiceUnavailableError(
                 "the server is draining: it takes no new encodes; send this one to another encoder",
@@ -367,6 +371,8 @@ def mount_encoder(
     routes = dict(_ROUTES)
     if service.settings.wire == "sglang":  # SGLang's language side talks to us (docs/sglang.md)
         routes.update(mount_sglang(app, blueprint, service))
+    elif service.settings.wire == "vllm":  # vLLM's encoder proxy calls us (docs/vllm.md)
+        routes.update(mount_vllm(app, blueprint, service))
     for path, call in routes.items():
         add_route(path, call)
     blueprint.add_url_rule("/health", "health", service.health, methods=["GET"])

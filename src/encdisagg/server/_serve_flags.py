@@ -103,12 +103,19 @@ FLAGS: Final[tuple[Flag, ...]] = (
     Flag("registry", "str", "server.registry"),
     Flag("registry_lease_ttl", "int", "server.registry_lease_ttl_s"),
     Flag("grpc_port", "int", "server.grpc_port"),
-    Flag("wire", "str", "server.wire", ("encdisagg", "sglang")),
+    Flag("wire", "str", "server.wire", ("encdisagg", "sglang", "vllm")),
     Flag("register_with", "str", "server.register_with"),
     Flag("advertise_url", "str", "server.advertise_url"),
     Flag("drain_delay", "float", "server.drain_delay_s"),
     Flag("drain_timeout", "float", "server.drain_timeout_s"),
     Flag("ready_min_workers", "int", "server.ready_min_workers"),
+    Flag("vllm_connector", "str", "server.vllm_connector", ("example", "mooncake")),
+    Flag("vllm_storage_path", "str", "server.vllm_storage_path"),
+    Flag("vllm_store_max_bytes", "int", "server.vllm_store_max_bytes"),
+    Flag("vllm_store_max_age", "float", "server.vllm_store_max_age_s"),
+    Flag("vllm_dtype", "str", "server.vllm_dtype"),
+    Flag("vllm_control_timeout", "float", "server.vllm_control_timeout_s"),
+    Flag("vllm_refresh_after", "float", "server.vllm_refresh_after_s"),
 )
 
 #: The ``[server]`` table's keys and their kinds.

@@ -61,6 +61,18 @@ _SETTINGS_KEYS: Final = {
     "drain_delay_s": "server.drain_delay_s",
     "drain_timeout_s": "server.drain_timeout_s",
     "ready_min_workers": "server.ready_min_workers",
+    **{
+        name: f"server.{name}"
+        for name in (
+            "vllm_connector",
+            "vllm_storage_path",
+            "vllm_store_max_bytes",
+            "vllm_store_max_age_s",
+            "vllm_dtype",
+            "vllm_control_timeout_s",
+            "vllm_refresh_after_s",
+        )
+    },
 }
 
 
@@ -304,8 +316,11 @@ def _settings(
     for name, value in fields.items():
         if name == "max_body_bytes":
             continue
-        # Checked on its own (register_with only with the wire it needs): every error shows.
+        # Checked on its own (register_with only with the wire it needs, the vllm wire with
+        # a storage path, which the full check below asks for): every error shows.
         alone = {name: value, **({"wire": "sglang"} if name == "register_with" else {})}
+        if name == "wire":
+            alone["vllm_storage_path"] = "."
         try:
             ServerSettings(**alone)
         except BadRequestError as exc:

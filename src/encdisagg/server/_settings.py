@@ -8,6 +8,7 @@ from .._devices import check_device
 from .._errors import ConfigError
 from ..registry import parse_registry_url
 from ._access import ApiKey, PeerAllowList
+from ._vllm._options import check_vllm_settings
 
 __all__ = ["ServerSettings"]
 
@@ -67,7 +68,9 @@ class ServerSettings:
     grpc_host: str = "127.0.0.1"
     #: The HTTP routes' protocol: ``"encdisagg"`` (ours), or ``"sglang"``: SGLang 0.5.20's
     #: language side talks to this server as to its own encoder (its ``/encode`` bodies,
-    #: its three transfer modes, its pickled ``EmbeddingData`` header frames).
+    #: its three transfer modes, its pickled ``EmbeddingData`` header frames), or
+    #: ``"vllm"``: vLLM's disaggregated-encoder proxy calls ``/v1/chat/completions``
+    #: (docs/vllm.md).
     wire: str = "encdisagg"
     #: With the sglang wire: SGLang's encoder bootstrap (``http://host:port``) this server
     #: registers itself with at startup (``POST /register_encoder_url``, retried) and
@@ -89,6 +92,22 @@ class ServerSettings:
     #: within ``worker_restart_window_s``; then the front gives up on its rank (0: never).
     worker_restart_limit: int = 5
     worker_restart_window_s: float = 60.0
+    #: With the vllm wire: the PD's EC connector, ``"example"`` (shared storage) or
+    #: ``"mooncake"`` (push into the PD's registered buffers; needs transfer='mooncake').
+    vllm_connector: str = "example"
+    #: ``"example"``: the PD's ``shared_storage_path`` (each item's file goes beneath it).
+    vllm_storage_path: str | None = None
+    #: ``"example"``: the files this server wrote are swept, oldest first, beyond this many
+    #: bytes, and once older than ``vllm_store_max_age_s``.
+    vllm_store_max_bytes: int = 8 * 1024**3
+    vllm_store_max_age_s: float = 3600.0
+    #: ``"example"``: the dtype the files are written in (the PD's); ``None``: the Encoder's.
+    vllm_dtype: str | None = None
+    #: ``"mooncake"``: bound on each control exchange with the PD's shards.
+    vllm_control_timeout_s: float = 30.0
+    #: ``"mooncake"``: reservations older than this are refreshed before the write (the
+    #: PD's own bound is twice this).
+    vllm_refresh_after_s: float = 150.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -145,8 +164,9 @@ class ServerSettings:
             raise ConfigError(f"grpc_port must be an integer in [0, 65535]; got {grpc_port!r}")
         if not isinstance(self.grpc_host, str) or not self.grpc_host:
             raise ConfigError("grpc_host must be a non-empty host name or address")
-        if self.wire not in ("encdisagg", "sglang"):
-            raise ConfigError(f"wire must be encdisagg or sglang; got {self.wire!r}")
+        if self.wire not in ("encdisagg", "sglang", "vllm"):
+            raise ConfigError(f"wire must be encdisagg, sglang or vllm; got {self.wire!r}")
+        check_vllm_settings(self)
         for name in ("register_with", "advertise_url"):
             url: object = getattr(self, name)
             if url is not None and (

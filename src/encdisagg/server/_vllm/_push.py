@@ -1,0 +1,333 @@
+"""The producer side of vLLM's ``ECMooncakeConnector``: one item pushed to a PD's TP shards.
+
+Per item, over the control channel (``_control``):
+
+1. ``peers`` to the consumer's address: the ports of its TP shards (same host).
+2. ``reserve_batch`` on every shard: each answers where to write (``dst_session``,
+   ``dst_ptr``) and whether to (``write``), or that the bytes are there already (``cached``),
+   or that the PD gave the transfer up (``cancelled``).
+3. Reservations older than ``refresh_after_s`` are refreshed (``cancel`` with ``refresh``,
+   then reserved again) before any write: the PD frees reservations left unwritten twice
+   that long.
+4. One Mooncake write per shard that asked for one (the caller's ``write``: our Encoder's
+   delivery, from its registered memory, under its held-memory rules).
+5. ``complete_batch`` on each shard written: only then did the push succeed.
+
+On any failure, cancellation included, every reservation is cancelled with ``abandon``
+(shielded, bounded), except one whose write ended with an unknown outcome: the bytes may
+still land there, so that memory is not handed back (the PD keeps a reservation in writing
+until its writer completes or abandons it; it is freed with the PD's transfer). Then the
+error is raised: the route answers 500, so a 200 always means every shard has the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import anyio
+
+from ..._errors import EncdisaggError, InternalError, TransferTimeoutError
+from .._fields import type_name
+from ._control import ControlChannel, ControlError
+
+__all__ = ["PushSpec", "Shard", "push_item"]
+
+_log = logging.getLogger("encdisagg.server.vllm")
+
+_T = TypeVar("_T")
+
+#: Most TP shards one consumer may name.
+_MAX_SHARDS: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class PushSpec:
+    """One item to push: where, under which ids, and its tensor's description."""
+
+    consumer_zmq: str
+    transfer_id: str
+    mm_hash: str
+    nbytes: int
+    shape: tuple[int, int]
+    dtype: str
+
+    def reserve_item(self) -> dict[str, Any]:
+        return {
+            "transfer_id": self.transfer_id,
+            "mm_hash": self.mm_hash,
+            "nbytes": self.nbytes,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One shard's reservation, as its ``reserve`` answered."""
+
+    address: str
+    reservation_id: str
+    dst_session: str
+    dst_ptr: int
+    nbytes: int
+    write: bool
+    ready: bool
+    cached: bool
+    cancelled: bool
+    #: When the answer came (the caller's clock).
+    received_at: float
+
+    @property
+    def writable(self) -> bool:
+        """Whether this push must write the bytes there."""
+        return self.write and not self.cached and not self.cancelled
+
+    @property
+    def held(self) -> bool:
+        """Whether the shard holds a reservation of ours (to complete or cancel)."""
+        return bool(self.reservation_id) and not self.cancelled
+
+
+#: Writes the staged item into a shard; ``count`` is how many shards are written.
+Write = Callable[[Shard, int], Awaitable[None]]
+
+
+async def push_item(
+    channel: ControlChannel,
+    spec: PushSpec,
+    write: Write,
+    *,
+    clock: Callable[[], float],
+    refresh_after_s: float,
+) -> None:
+    """Push one item to every shard of ``spec.consumer_zmq`` (see the module's steps).
+
+    A checkpoint; every exchange is bounded by the channel's timeout, each write by the
+    writer's own bound. Returns once every shard completed (or had the bytes already).
+    Cancelled, the reservations are cancelled (shielded) before the cancellation goes on.
+
+    :raises EncdisaggError: a control exchange or a write failed (the reservations were
+        cancelled); :class:`~encdisagg.TransferTimeoutError` when a write's outcome is
+        unknown.
+    """
+    shards = await _shards(channel, spec.consumer_zmq)
+    reserved: dict[str, Shard] = {}
+    # Shards whose reserve went unanswered (they may hold one), and shards a write of
+    # unknown outcome may still touch.
+    unanswered: list[str] = []
+    unknown: set[str] = set()
+    try:
+        await _reserve(channel, spec, shards, reserved, clock, unanswered)
+        stale = [
+            shard
+            for shard in reserved.values()
+            if shard.held
+            and not shard.ready
+            and not shard.cached
+            and clock() - shard.received_at >= refresh_after_s
+        ]
+        if stale:
+            await _refresh(channel, spec, stale, reserved, clock, unanswered)
+        writable = [shard for shard in reserved.values() if shard.writable]
+        for shard in writable:
+            if shard.nbytes != spec.nbytes:
+                raise InternalError(
+                    f"{shard.address} reserved {shard.nbytes} bytes for a "
+                    f"{spec.nbytes}-byte item (mm_hash {spec.mm_hash!r})"
+                )
+        await _write_all(write, writable, unknown)
+        await _complete(channel, spec, writable)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            kept = [shard for shard in reserved.values() if shard.address not in unknown]
+            await _abandon(channel, spec, kept, unanswered)
+        raise
+
+
+async def _shards(channel: ControlChannel, consumer: str) -> list[str]:
+    result = await channel.request(consumer, {"op": "peers"})
+    ports = result.get("ports") if isinstance(result, dict) else None
+    if (
+        not isinstance(ports, list)
+        or not 1 <= len(ports) <= _MAX_SHARDS
+        or any(isinstance(p, bool) or not isinstance(p, int) or not 0 < p < 65536 for p in ports)
+    ):
+        raise ControlError(f"peers of {consumer}: expected a list of ports, got {type_name(ports)}")
+    host = consumer.rsplit(":", 1)[0]
+    return list(dict.fromkeys(f"{host}:{port}" for port in ports))
+
+
+async def _reserve(
+    channel: ControlChannel,
+    spec: PushSpec,
+    addresses: list[str],
+    into: dict[str, Shard],
+    clock: Callable[[], float],
+    unanswered: list[str],
+) -> None:
+    """Reserve on every shard at once; every reservation made is recorded in ``into``, and
+    every shard that did not answer in ``unanswered``, before the first failure (if any)
+    is raised."""
+    failures: list[BaseException] = []
+
+    async def one(address: str) -> None:
+        try:
+            answer = await channel.request(
+                address, {"op": "reserve_batch", "items": [spec.reserve_item()]}
+            )
+            into[address] = _shard(address, answer, clock())
+        except TransferTimeoutError as exc:
+            unanswered.append(address)
+            failures.append(exc)
+        except EncdisaggError as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as group:
+        for address in addresses:
+            group.start_soon(one, address)
+    if failures:
+        raise failures[0]
+
+
+def _shard(address: str, answer: object, now: float) -> Shard:
+    items = answer.get("items") if isinstance(answer, dict) else None
+    if not isinstance(items, list) or len(items) != 1 or not isinstance(items[0], dict):
+        raise ControlError(f"reserve_batch to {address}: expected one item in the answer")
+    item = items[0]
+    if not item.get("ok"):
+        error = item.get("error")
+        text = error[:300] if isinstance(error, str) else "no reason given"
+        raise ControlError(f"reserve_batch to {address} failed: {text}")
+    result = item.get("result")
+    if not isinstance(result, dict):
+        raise ControlError(f"reserve_batch to {address}: the item has no result")
+    try:
+        return Shard(
+            address=address,
+            reservation_id=_typed(result, "reservation_id", str, ""),
+            dst_session=_typed(result, "dst_session", str, ""),
+            dst_ptr=_typed(result, "dst_ptr", int, 0),
+            nbytes=_typed(result, "nbytes", int, 0),
+            write=_typed(result, "write", bool, True),
+            ready=_typed(result, "ready", bool, False),
+            cached=_typed(result, "cached", bool, False),
+            cancelled=_typed(result, "cancelled", bool, False),
+            received_at=now,
+        )
+    except TypeError as exc:
+        raise ControlError(f"reserve_batch to {address}: {exc}") from None
+
+
+def _typed(result: dict[str, Any], key: str, kind: type[_T], default: _T) -> _T:
+    value = result.get(key, default)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{key} must be {kind.__name__}, got {type_name(value)}")
+    return value
+
+
+async def _refresh(
+    channel: ControlChannel,
+    spec: PushSpec,
+    stale: list[Shard],
+    reserved: dict[str, Shard],
+    clock: Callable[[], float],
+    unanswered: list[str],
+) -> None:
+    """Cancel each stale reservation with ``refresh``, then reserve it again."""
+    for shard in stale:
+        await channel.request(
+            shard.address,
+            {
+                "op": "cancel",
+                "transfer_id": spec.transfer_id,
+                "reservation_id": shard.reservation_id,
+                "refresh": True,
+            },
+        )
+        del reserved[shard.address]
+    await _reserve(channel, spec, [shard.address for shard in stale], reserved, clock, unanswered)
+
+
+async def _write_all(write: Write, shards: list[Shard], unknown: set[str]) -> None:
+    failures: list[EncdisaggError] = []
+
+    async def one(shard: Shard) -> None:
+        try:
+            await write(shard, len(shards))
+        except TransferTimeoutError as exc:
+            unknown.add(shard.address)  # the bytes may still land: not handed back
+            failures.append(exc)
+        except EncdisaggError as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as group:
+        for shard in shards:
+            group.start_soon(one, shard)
+    if failures:
+        raise failures[0]
+
+
+async def _complete(channel: ControlChannel, spec: PushSpec, shards: list[Shard]) -> None:
+    failures: list[EncdisaggError] = []
+
+    async def one(shard: Shard) -> None:
+        try:
+            answer = await channel.request(
+                shard.address,
+                {
+                    "op": "complete_batch",
+                    "items": [
+                        {"transfer_id": spec.transfer_id, "reservation_id": shard.reservation_id}
+                    ],
+                },
+            )
+            items = answer.get("items") if isinstance(answer, dict) else None
+            if (
+                not isinstance(items, list)
+                or len(items) != 1
+                or not isinstance(items[0], dict)
+                or items[0].get("completed") is not True
+            ):
+                raise ControlError(
+                    f"complete_batch to {shard.address}: the reservation was not completed"
+                )
+        except EncdisaggError as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as group:
+        for shard in shards:
+            group.start_soon(one, shard)
+    if failures:
+        raise failures[0]
+
+
+async def _abandon(
+    channel: ControlChannel, spec: PushSpec, shards: list[Shard], unanswered: list[str]
+) -> None:
+    """Cancel each reservation with ``abandon``, and the transfer on each shard that did
+    not answer its reserve (an empty ``reservation_id`` names whatever the shard holds for
+    the transfer); failures are logged, never raised."""
+
+    async def one(address: str, reservation_id: str) -> None:
+        try:
+            await channel.request(
+                address,
+                {
+                    "op": "cancel",
+                    "transfer_id": spec.transfer_id,
+                    "reservation_id": reservation_id,
+                    "abandon": True,
+                },
+            )
+        except EncdisaggError as exc:
+            _log.warning("abandoning transfer %s on %s failed: %s", spec.transfer_id, address, exc)
+
+    async with anyio.create_task_group() as group:
+        for shard in shards:
+            if shard.held:
+                group.start_soon(one, shard.address, shard.reservation_id)
+        for address in unanswered:
+            group.start_soon(one, address, "")
