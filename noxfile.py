@@ -1,6 +1,8 @@
 """Development sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s demo``, ``nox -s bench``,
 ``nox -s soak``, ``nox -s bench_peer`` (not run by default: it builds SGLang's venv to measure
-against), ``nox -s gpu`` (the GPU check, on a machine with a GPU).
+against), ``nox -s interop`` and ``nox -s interop_vllm`` (SGLang's and vLLM's own code
+against our servers; not run by default either), ``nox -s gpu`` (the GPU check, on a
+machine with a GPU).
 
 Every install goes through ``constraints.txt``: an unpinned torch can resolve to a multi-GB
 CUDA build, so torch is installed first, pinned, and every later install is constrained to it.
@@ -137,3 +139,21 @@ def interop(session: nox.Session) -> None:
     # grpc: the servers' --grpc-port, and the versions run.py gives SGLang's gRPC client.
     install_project(session, "mooncake-cpu", "grpc")
     session.run("python", "interop/run.py", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
+@nox.session(python=PYTHON)
+def interop_vllm(session: nox.Session) -> None:
+    """vLLM 0.33's own consumer code (its renderer, scheduler and EC connectors in the
+    ``ec_consumer`` role) against real ``encdisagg serve --wire vllm`` servers: the
+    ``example`` and ``mooncake`` connectors, asyncio, trio and ``--dp 2``; not part of
+    ``tests``. Builds vLLM's venv with ``../shared/peer/build_venv_vllm.sh`` first, into
+    ``$ENCDISAGG_VLLM_PEER_VENV`` or the script's default; see docs/vllm.md. Arguments go to
+    ``interop/vllm_run.py`` (``-- --self-check``: the consumer harness alone, no servers).
+    """
+    build = ROOT.parent / "shared" / "peer" / "build_venv_vllm.sh"
+    if not build.is_file():
+        session.error(f"no build_venv_vllm.sh in ../shared/peer (looked for {build})")
+    peer_venv = os.environ.get("ENCDISAGG_VLLM_PEER_VENV")
+    session.run("bash", str(build), *([peer_venv] if peer_venv else []), external=True)
+    install_project(session, "mooncake-cpu")
+    session.run("python", "interop/vllm_run.py", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
