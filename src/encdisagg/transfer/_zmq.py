@@ -356,6 +356,11 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
                 if tracker is None:
                     self._done_with(connection)
         connection.used = True
+        if self._immediate:
+            # Queued with ZMQ_IMMEDIATE: a connection was complete. The monitor may still
+            # report a refusal from before it after its "connected" (seen under load): that
+            # must not evict a socket that works.
+            connection.connected()
         released_at_once = tracker.done
         if not released_at_once:
             connection.held.add(tracker)

@@ -109,6 +109,11 @@ class Connection:
             anyio.notify_closing(self.monitor_fd)
             self.monitor.close(linger=0)
 
+    def connected(self) -> None:
+        """A connection completed: the endpoint is not refusing. Not a checkpoint."""
+        self.refused = False
+        self.refused_since = None
+
     def give_up(self, grace_s: float | None) -> bool:
         """Whether the endpoint has refused every attempt for ``grace_s`` (never, if
         ``None``); if so the sends waiting on it are to fail. Not a checkpoint."""
@@ -155,8 +160,7 @@ async def watch_refusals(connection: Connection, on_refused: Callable[[Connectio
                 continue
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_CONNECTED:
-                connection.refused = False
-                connection.refused_since = None
+                connection.connected()
             elif event == zmq.EVENT_CONNECT_RETRIED:
                 connection.refused = True
                 if connection.refused_since is None:
