@@ -9,7 +9,7 @@ validated message, both ways side by side in one process (the order alternates p
 - HTTP bodies (``server/_messages.py``): ``decode_body`` (strict ``json.loads``) then
   ``EncodeBody.from_json`` & co., against ``msgspec.json.Decoder(Struct)`` plus the checks a
   schema cannot say (``part_idx < num_parts``, URLs, the nested media objects' depth);
-- data-parallel IPC (``server/_ipc.py``): ``unpack`` then the fields checked by hand (the
+- data-parallel IPC (``server/_dp/_ipc.py``): ``unpack`` then the fields checked by hand (the
   decoders it had, kept here as the baseline), against ``WorkMessage.decode`` /
   ``ReplyMessage.decode``, which decode with msgspec now;
 - the ``/encode`` answer a receiver reads (``receiver/_messages.py``): ``json.loads`` (what
@@ -109,8 +109,8 @@ class HeaderStruct(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
 def _msgspec_decoders() -> dict[str, Callable[[bytes], object]]:
     """The msgspec side: one decoder per edge, plus the checks a schema cannot say."""
     from encdisagg import BadRequestError, Modality
+    from encdisagg.server._dp._ipc import ReplyMessage, WorkMessage
     from encdisagg.server._fields import zmq_url
-    from encdisagg.server._ipc import ReplyMessage, WorkMessage
     from encdisagg.server._json import _check
 
     encode = msgspec.json.Decoder(EncodeStruct)
@@ -172,7 +172,7 @@ def _msgspec_decoders() -> dict[str, Callable[[bytes], object]]:
 def _old_ipc() -> tuple[Callable[[bytes], object], Callable[[bytes], object]]:
     """The data-parallel IPC's hand-written decoders as they were before msgspec took over
     (``unpack``, then each field checked by hand), kept here as the baseline."""
-    from encdisagg.server._ipc import MalformedMessage, ReplyMessage, WorkMessage, unpack
+    from encdisagg.server._dp._ipc import MalformedMessage, ReplyMessage, WorkMessage, unpack
 
     def fields(value: dict[str, Any], what: str, required: set[str], optional: set[str]) -> None:
         keys = set(value)

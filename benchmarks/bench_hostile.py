@@ -37,7 +37,7 @@ import httpx
 from _common import Options, headline, latency_summary, parse_options, write_json
 from bench_server import HEIGHT, WIDTH, _Prober, burst_bodies, tiny_server
 
-from encdisagg.server._read_turns import read_turns_from_env
+from encdisagg.server._asgi._read_turns import read_turns_from_env
 
 FLAVOURS = ("asyncio", "trio")
 RSS_GOAL_MIB = 2048.0

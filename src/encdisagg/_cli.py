@@ -210,7 +210,7 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server._command import run_serve
+    from .server._serve._command import run_serve
 
     return run_serve(args)
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from encdisagg.server._dp_restarts import RestartPolicy
+from encdisagg.server._dp._restarts import RestartPolicy
 from encdisagg.transfer import ZmqReceiver
 
 from ._serve_cli import encode, expected, start, wait_status

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from encdisagg import RequestTimeoutError, ServiceUnavailableError
-from encdisagg.server._dp_routing import Router
+from encdisagg.server._dp._dispatch import Router
 
 pytestmark = pytest.mark.anyio
 

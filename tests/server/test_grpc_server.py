@@ -39,9 +39,8 @@ from encdisagg import Encoder, EncodeRequest, Modality, ZmqDestination
 from encdisagg._cli import build_parser, main
 from encdisagg.models import NullVisionModel, Preprocessed
 from encdisagg.server import EncoderService, ServerSettings
-from encdisagg.server._command import resolve
-from encdisagg.server._grpc import GrpcServer
-from encdisagg.server._grpc_serving import grpc_url
+from encdisagg.server._serve._command import resolve
+from encdisagg.server._sglang._grpc_server import GrpcServer
 from encdisagg.transfer import ZmqReceiver
 
 from ._helpers import fast_config, png_bytes, png_data_url, running
@@ -81,7 +80,7 @@ def pulling() -> Iterator[Pull]:
 
 
 def target_of(service: EncoderService) -> str:
-    url = grpc_url(service)
+    url = service.grpc_url
     assert url is not None
     return url.removeprefix("grpc://")
 
@@ -248,7 +247,7 @@ async def test_health_is_not_serving_once_a_drain_begins_while_rpcs_still_run(
             )
             await call(target, "Encode", request)
             assert len(await pull.receive()) == 2
-    assert grpc_url(service) is None
+    assert service.grpc_url is None
     error = await rpc_error(target, "Encode", request)
     assert error.code() == grpc.StatusCode.UNAVAILABLE
 
@@ -332,7 +331,7 @@ class Tracked:
 
 @pytest.mark.anyio
 async def test_a_cancelled_encode_leaves_nothing_staged() -> None:
-    from encdisagg.server._sglang_service import SglangService
+    from encdisagg.server._sglang._service import SglangService
 
     model = GatedModel()
     encoder = Encoder(fast_config(model="null"), model=model)
@@ -384,7 +383,7 @@ def test_an_invalid_port_or_a_missing_extra_is_a_usage_error(
     assert main(["serve", "--grpc-port", "70000"]) == 2
     assert "--grpc-port" in capsys.readouterr().err
     monkeypatch.setattr(
-        "encdisagg.server._grpc.grpc_missing",
+        "encdisagg.server._sglang._grpc_server.grpc_missing",
         lambda: "--grpc-port needs the grpc extra (grpc missing): pip install 'encdisagg[grpc]'",
     )
     assert main(["serve", "--grpc-port", "0"]) == 2
@@ -437,7 +436,7 @@ async def test_an_app_without_the_grpc_extra_fails_its_startup_naming_it(
     make_app: Callable[..., Quart], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hint = "--grpc-port needs the grpc extra (grpc missing): pip install 'encdisagg[grpc]'"
-    monkeypatch.setattr("encdisagg.server._grpc_serving.grpc_missing", lambda: hint)
+    monkeypatch.setattr("encdisagg.server._sglang._grpc_beside.grpc_missing", lambda: hint)
     app = make_app(fast_config(model="null"), grpc_port=0)
     # Quart's test app raises its startup error; QuartTrio's cancels the test with it as the
     # reason. Either carries the message.

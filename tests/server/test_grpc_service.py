@@ -32,7 +32,7 @@ from smg_grpc_proto.generated import (
 
 from encdisagg import BadRequestError, NotFoundError, TransferTimeoutError
 from encdisagg.server._access import ApiKey, ForbiddenError
-from encdisagg.server._grpc import GrpcServer
+from encdisagg.server._sglang._grpc_server import GrpcServer
 
 pytestmark = pytest.mark.anyio
 

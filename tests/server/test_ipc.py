@@ -10,7 +10,7 @@ import anyio
 import pytest
 import zmq
 
-from encdisagg.server._ipc import IpcSocket, unpack
+from encdisagg.server._dp._ipc import IpcSocket, unpack
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from encdisagg.server._malloc import MMAP_THRESHOLD_BYTES, return_large_frees_to_the_os
+from encdisagg.server._serve._malloc import MMAP_THRESHOLD_BYTES, return_large_frees_to_the_os
 
 ENV = "MALLOC_MMAP_THRESHOLD_"
 

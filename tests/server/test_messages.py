@@ -31,7 +31,7 @@ from encdisagg.server import (
     ServiceSnapshot,
     WorkerStatus,
 )
-from encdisagg.server._ipc import (
+from encdisagg.server._dp._ipc import (
     ControlMessage,
     MalformedMessage,
     ReplyMessage,

@@ -15,13 +15,13 @@ from quart import Quart
 
 from encdisagg import __version__
 from encdisagg.server import DataParallelBackend, ServerSettings
+from encdisagg.server._dp._process_metrics import read_process_stats, worker_process_families
 from encdisagg.server._metrics import (
     MetricsSnapshot,
     ServerMetrics,
     ServiceSnapshot,
     WorkerStatus,
 )
-from encdisagg.server._process_metrics import read_process_stats, worker_process_families
 
 from ._helpers import fast_config, running
 

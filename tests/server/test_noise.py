@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 from transformers.utils import logging as transformers_logging
 
-from encdisagg.server._noise import quiet_third_party
+from encdisagg.server._serve._noise import quiet_third_party
 
 from ._helpers import png_bytes
 

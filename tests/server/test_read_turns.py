@@ -18,7 +18,7 @@ from quart import Quart, request
 
 from encdisagg import BadRequestError
 from encdisagg.server import serve
-from encdisagg.server._read_turns import (
+from encdisagg.server._asgi._read_turns import (
     DEFAULT_READ_TURNS,
     READ_TURNS_ENV,
     ReadTurns,

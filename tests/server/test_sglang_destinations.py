@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from encdisagg import BadRequestError, RequestTimeoutError
-from encdisagg.server._sglang_destinations import PushDestinations
+from encdisagg.server._sglang._destinations import PushDestinations
 
 pytestmark = pytest.mark.anyio
 

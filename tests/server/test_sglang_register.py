@@ -20,7 +20,7 @@ from quart import Quart
 
 from encdisagg import BadRequestError
 from encdisagg.server import ServerSettings
-from encdisagg.server._sglang_register import registered_with
+from encdisagg.server._sglang._register import registered_with
 
 from ._helpers import running
 

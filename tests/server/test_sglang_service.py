@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from encdisagg import BadRequestError, Encoder, RequestTimeoutError, TransferError
-from encdisagg.server._sglang_service import SglangService
+from encdisagg.server._sglang._service import SglangService
 
 from ._helpers import fast_config
 from ._sglang_helpers import pull_sockets, sglang_encode_body

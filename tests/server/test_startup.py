@@ -14,8 +14,8 @@ import pytest
 from hypercorn.utils import LifespanFailureError
 
 from encdisagg import BadRequestError
-from encdisagg.server._ipc import MalformedMessage, ReplyMessage
-from encdisagg.server._startup import describe_startup_failure
+from encdisagg.server._dp._ipc import MalformedMessage, ReplyMessage
+from encdisagg.server._serve._startup import describe_startup_failure
 
 #: Bound on one ``serve`` subprocess that fails to start (imports torch, maybe spawns workers).
 _SERVE_TIMEOUT_S = 90

@@ -12,7 +12,7 @@ SCRIPT = textwrap.dedent(
     """
     import os
     from encdisagg.server import configure_logging
-    from encdisagg.server._stderr_lines import stderr_lines_to_logging
+    from encdisagg.server._serve._stderr_lines import stderr_lines_to_logging
 
     configure_logging("info", "json")
     with stderr_lines_to_logging():

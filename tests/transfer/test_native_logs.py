@@ -108,7 +108,7 @@ def _failing_start() -> None:
 
 _START_ENGINE = """
 import anyio
-from encdisagg.server._noise import quiet_third_party
+from encdisagg.server._serve._noise import quiet_third_party
 from encdisagg.transfer import MooncakeEngine
 quiet_third_party("info")
 async def main():

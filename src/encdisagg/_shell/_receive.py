@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from typing import TextIO
@@ -12,32 +11,10 @@ from typing import TextIO
 import anyio
 
 from .._errors import EncdisaggError
-from ..transfer import ReceivedPart, ZmqReceiver, payload_view
+from ..transfer import ZmqReceiver
+from ._describe import describe
 
-__all__ = ["describe", "run_receive"]
-
-
-def describe(part: ReceivedPart) -> dict[str, object]:
-    """What one received part says about itself, and a digest of its bytes."""
-    header = part.header
-    line: dict[str, object] = {
-        "req_id": header.req_id,
-        "part": f"{header.part_idx + 1}/{header.num_parts}",
-        "modality": header.modality,
-    }
-    if part.tensor is None:
-        line["error"] = header.error
-        line["status"] = header.status
-        return line
-    digest = hashlib.sha256(payload_view(part.tensor.contiguous())).hexdigest()
-    line.update(
-        shape=list(header.shape),
-        dtype=header.dtype,
-        bytes=part.tensor.numel() * part.tensor.element_size(),
-        tokens=list(header.token_counts),
-        sha256=digest[:16],
-    )
-    return line
+__all__ = ["run_receive"]
 
 
 def run_receive(args: argparse.Namespace, *, out: TextIO | None = None) -> int:

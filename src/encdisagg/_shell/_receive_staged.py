@@ -19,7 +19,7 @@ from .._modality import Modality
 from ..receiver import EncoderClient, MooncakeSendTarget, PartMetadata, ZmqSendTarget
 from ..receiver._plan import PART_SEPARATOR, PartPlan
 from ..transfer import MooncakeEngine, ZmqReceiver, payload_view
-from ._receive import describe
+from ._describe import describe
 
 __all__ = ["fetch_staged", "staged_part"]
 

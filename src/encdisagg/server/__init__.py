@@ -21,18 +21,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._app import (
-        EncoderService as EncoderService,
         create_app as create_app,
         create_trio_app as create_trio_app,
         mount_encoder as mount_encoder,
     )
+    from ._asgi._listen import bind_socket as bind_socket
+    from ._asgi._runner import serve as serve
     from ._backend import (
         Backend as Backend,
         HealthReport as HealthReport,
         LocalBackend as LocalBackend,
     )
-    from ._dp import DataParallelBackend as DataParallelBackend
-    from ._listen import bind_socket as bind_socket
+    from ._dp._front import DataParallelBackend as DataParallelBackend
     from ._logs import configure_logging as configure_logging
     from ._messages import (
         EncodeBody as EncodeBody,
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
         ServiceSnapshot as ServiceSnapshot,
         WorkerStatus as WorkerStatus,
     )
-    from ._runner import serve as serve
+    from ._service import EncoderService as EncoderService
     from ._settings import ServerSettings as ServerSettings
 
 #: Each public name -> the private module that defines it.
@@ -56,15 +56,15 @@ _LAZY = {
     "create_app": "._app",
     "create_trio_app": "._app",
     "mount_encoder": "._app",
-    "EncoderService": "._app",
-    "serve": "._runner",
-    "bind_socket": "._listen",
+    "EncoderService": "._service",
+    "serve": "._asgi._runner",
+    "bind_socket": "._asgi._listen",
     "configure_logging": "._logs",
     "ServerSettings": "._settings",
     "Backend": "._backend",
     "LocalBackend": "._backend",
     "HealthReport": "._backend",
-    "DataParallelBackend": "._dp",
+    "DataParallelBackend": "._dp._front",
     "EncoderMetrics": "._metrics",
     "ServerMetrics": "._metrics",
     "MetricsSnapshot": "._metrics",

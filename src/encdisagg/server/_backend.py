@@ -1,7 +1,7 @@
 """What the routes call: one Encoder in this process, or data-parallel workers.
 
 :class:`LocalBackend` wraps one :class:`~encdisagg.Encoder`; the data-parallel front
-(``_dp.DataParallelBackend``) forwards the same calls to worker processes, each of which runs
+(``_dp._front.DataParallelBackend``) forwards the same calls to worker processes, each of which runs
 a :class:`LocalBackend` of its own.
 """
 

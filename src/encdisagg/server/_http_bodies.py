@@ -6,7 +6,6 @@ Every helper here reads or builds Quart's request context objects; none holds st
 from __future__ import annotations
 
 import json
-import re
 from typing import Final
 
 import anyio
@@ -22,17 +21,12 @@ __all__ = [
     "error_response",
     "http_error_response",
     "json_response",
-    "public_message",
     "read_json",
     "require_json_type",
 ]
 
 #: Bodies larger than this are decoded in a worker thread, off the event loop.
 _THREAD_DECODE_BYTES: Final = 256 * 1024
-#: An object's default repr (``<_io.BytesIO object at 0x7f...>``): an address of this process.
-_OBJECT_REPR: Final = re.compile(r"<[^<>]{0,200} at 0x[0-9A-Fa-f]+>")
-#: Longest error message answered; the field it names comes first.
-_MAX_MESSAGE_CHARS: Final = 1000
 
 
 class _UnsupportedMediaType(EncdisaggError):
@@ -51,15 +45,6 @@ def require_json_type() -> None:
             "Content-Type must be application/json; got "
             + ("none" if given is None else shown(given))
         )
-
-
-def public_message(message: str) -> str:
-    """``message`` as it may be answered: a library's text passed on in it may quote an
-    object's repr, and so an address of this process; and it is bounded."""
-    message = _OBJECT_REPR.sub("<object>", message)
-    if len(message) > _MAX_MESSAGE_CHARS:
-        message = message[:_MAX_MESSAGE_CHARS] + "..."
-    return message
 
 
 async def read_json(limit: int, limiter: anyio.CapacityLimiter | None) -> object:

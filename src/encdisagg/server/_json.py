@@ -8,6 +8,8 @@ that passes :func:`decode_body` is plain JSON data that every later stage can ca
 objects with unique string keys at most :data:`MAX_DEPTH` deep, integers in the 64-bit
 range, finite floats and valid Unicode. Each refusal is a
 :class:`~encdisagg.BadRequestError` naming where in the body the offending value is.
+
+:func:`public_message` bounds and scrubs an error message before any wire answers it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Final
 
 from .._errors import BadRequestError
 
-__all__ = ["INT_MAX", "INT_MIN", "MAX_DEPTH", "decode_body", "shown"]
+__all__ = ["INT_MAX", "INT_MIN", "MAX_DEPTH", "decode_body", "public_message", "shown"]
 
 #: Containers nested deeper than this are refused (our bodies need four levels).
 MAX_DEPTH: Final = 16
@@ -27,6 +29,10 @@ MAX_DEPTH: Final = 16
 INT_MIN: Final = -(2**63)
 INT_MAX: Final = 2**64 - 1
 
+#: An object's default repr (``<_io.BytesIO object at 0x7f...>``): an address of this process.
+_OBJECT_REPR: Final = re.compile(r"<[^<>]{0,200} at 0x[0-9A-Fa-f]+>")
+#: Longest error message answered; the field it names comes first.
+_MAX_MESSAGE_CHARS: Final = 1000
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 #: Longest piece of client text quoted back in a message.
 _SHOWN_CHARS: Final = 64
@@ -115,3 +121,12 @@ def decode_body(data: bytes) -> object:
         raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
     _check(value)
     return value
+
+
+def public_message(message: str) -> str:
+    """``message`` as it may be answered: a library's text passed on in it may quote an
+    object's repr, and so an address of this process; and it is bounded."""
+    message = _OBJECT_REPR.sub("<object>", message)
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[:_MAX_MESSAGE_CHARS] + "..."
+    return message

@@ -32,7 +32,7 @@ from prometheus_client.core import (
 from .._errors import BadRequestError
 from .._version import __version__
 from ..encoder import Encoder, EncoderEvents
-from ._process_metrics import worker_process_families
+from ._dp._process_metrics import worker_process_families
 
 __all__ = [
     "LATENCY_BUCKETS",

@@ -9,7 +9,7 @@ on state the service keeps; neither runs a probe encode (``/health`` still does)
 from __future__ import annotations
 
 from ._backend import Backend
-from ._dp import DataParallelBackend
+from ._dp._front import DataParallelBackend
 
 __all__ = ["readiness_problem"]
 

@@ -11,28 +11,25 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from quart import Blueprint, Quart, Response, request
 
 from ..._errors import ServiceUnavailableError
+from .._asgi._lifespan import ServiceLifespan
 from .._backend import Backend
 from .._fields import valid_req_id
-from .._lifespan import ServiceLifespan
 from .._logs import note_req_id
+from .._service import EncoderService, Route
 from ._service import VllmService, check_connector
-
-if TYPE_CHECKING:
-    from .._app import EncoderService
 
 __all__ = ["CHAT_PATH", "VllmWire", "mount_vllm", "vllm_error"]
 
 CHAT_PATH: Final = "/v1/chat/completions"
 
-_Route = Callable[["EncoderService", Backend, object], Awaitable[object]]
 #: A message naming a field first: ``"messages[0].content[1].uuid is missing"``.
 _PARAM: Final = re.compile(r"((?:[a-z_]+(?:\[\d+\])*\.)*[a-z_]+(?:\[\d+\])*) (?:is|must) ")
 #: vLLM's error types for the statuses it names itself.
@@ -90,7 +87,7 @@ def vllm_error(status: int, message: str) -> dict[str, object]:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def mount_vllm(app: Quart, blueprint: Blueprint, service: EncoderService) -> dict[str, _Route]:
+def mount_vllm(app: Quart, blueprint: Blueprint, service: EncoderService) -> dict[str, Route]:
     """Open the wire inside ``app``'s lifespan, answer its route's errors in vLLM's shape,
     and return its route (path -> route) to add beside ours. Call it before the encoder
     service's own lifespan wraps ``app`` (so it runs inside it).

@@ -9,9 +9,9 @@ Ownership::
           ├─ one watcher per worker process: awaits its exit, fails its calls with 503
           └─ a restart per dead worker: backoff, fresh channels, a new process
 
-The parts, one file each: :mod:`._dp_workers` starts, watches and stops the processes;
-:mod:`._dp_routing` decides (synchronously) which worker takes an encode and where a
-``req_id`` lives; :mod:`._dp_pending` sends calls and matches replies to them. This file
+The parts, one file each: :mod:`._workers` starts, watches and stops the processes;
+:mod:`._dispatch` decides (synchronously) which worker takes an encode and where a
+``req_id`` lives; :mod:`._calls` sends calls and matches replies to them. This file
 assembles them and serves the routes' calls. A worker's transfers go from the worker
 straight to the receiver; only control messages pass through the front.
 """
@@ -33,24 +33,24 @@ import anyio.lowlevel
 import sniffio
 import zmq
 
-from .._config import EncoderConfig
-from .._errors import EncdisaggError, NotFoundError, ServiceUnavailableError
-from ..encoder import EncodeResult
-from ..nurseries import ServiceTaskGroup, collapse_single_error, run_thread_to_completion
-from ._backend import HealthReport
-from ._dp_pending import PendingCalls
-from ._dp_routing import Router
-from ._dp_workers import DpWorker, WorkerSupervisor
-from ._ipc import IpcSocket, MalformedMessage, ReplyMessage
-from ._messages import (
+from ..._config import EncoderConfig
+from ..._errors import EncdisaggError, NotFoundError, ServiceUnavailableError
+from ...encoder import EncodeResult
+from ...nurseries import ServiceTaskGroup, collapse_single_error, run_thread_to_completion
+from .._backend import HealthReport
+from .._messages import (
     EncodeBody,
     MetadataBody,
     ReceiveUrlBody,
     SendBody,
     result_from_wire,
 )
-from ._metrics import MetricsSnapshot, ServiceSnapshot, WorkerStatus
-from ._settings import ServerSettings
+from .._metrics import MetricsSnapshot, ServiceSnapshot, WorkerStatus
+from .._settings import ServerSettings
+from ._calls import PendingCalls
+from ._dispatch import Router
+from ._ipc import IpcSocket, MalformedMessage, ReplyMessage
+from ._workers import DpWorker, WorkerSupervisor
 
 __all__ = ["DataParallelBackend"]
 
@@ -86,7 +86,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     :param settings: start/stop bounds, health probe bound, workers' event loop and log level.
     :param worker_command: the command that starts one worker, to which the front appends
         the worker's options (default: this interpreter running
-        ``encdisagg.server._worker``). A wrapper (``taskset``, ``numactl``...) may precede it.
+        ``encdisagg.server._dp._worker``). A wrapper (``taskset``, ``numactl``...) may precede it.
     """
 
     def __init__(
@@ -105,7 +105,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         self._worker_command = (
             list(worker_command)
             if worker_command is not None
-            else [sys.executable, "-m", "encdisagg.server._worker"]
+            else [sys.executable, "-m", "encdisagg.server._dp._worker"]
         )
         self._workers: list[DpWorker] = []
         self._pending = PendingCalls()

@@ -3,7 +3,7 @@
 :func:`grpc_beside` runs inside the encoder service's lifespan (``EncoderService.open``),
 once the Encoder (or the data-parallel workers) run, and is left before they close:
 
-- the RPCs call an :class:`~._sglang_service.SglangService` of their own over the running
+- the RPCs call an :class:`~._service.SglangService` of their own over the running
   backend, whichever ``wire`` the HTTP routes speak. Its part state (registered
   destinations, Mooncake parts awaiting ``Send``) is its own: a part encoded over gRPC is
   registered and sent over gRPC, as SGLang's gRPC language side does anyway;
@@ -20,42 +20,31 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING
-from weakref import WeakKeyDictionary
 
-from ._access import ApiKey
-from ._backend import Backend
-from ._grpc import GrpcServer, grpc_missing
-from ._probes import readiness_problem
+from .._access import ApiKey
+from .._backend import Backend
+from .._probes import readiness_problem
+from .._service import EncoderService
+from ._grpc_server import GrpcServer, grpc_missing
+from ._service import SglangService
 
 if TYPE_CHECKING:
-    from ._app import EncoderService
+    # The grpc extra may be missing: its modules load only once a gRPC port is asked for.
     from ._grpc_service import SglangCalls
 
-__all__ = ["grpc_beside", "grpc_url"]
-
-#: The gRPC server running beside each service, while it runs.
-_RUNNING: WeakKeyDictionary[EncoderService, GrpcServer] = WeakKeyDictionary()
-
-
-def grpc_url(service: EncoderService) -> str | None:
-    """``grpc://host:port`` of the gRPC server beside ``service`` (the form SGLang's
-    ``--encoder-urls`` takes), or ``None`` when none runs. Not async."""
-    server = _RUNNING.get(service)
-    if server is None:
-        return None
-    host = service.settings.grpc_host
-    return f"grpc://{f'[{host}]' if ':' in host else host}:{server.port}"
+__all__ = ["grpc_beside"]
 
 
 @asynccontextmanager
 async def grpc_beside(
     service: EncoderService, backend: Backend, sglang: SglangCalls | None = None
-) -> AsyncGenerator[GrpcServer | None]:
+) -> AsyncGenerator[str | None]:
     """Serve SGLang's gRPC encoder service beside ``service``'s routes while entered.
 
-    Does nothing (yields ``None``) unless ``service.settings.grpc_port`` is set. Entering is
-    a checkpoint that returns once the gRPC server listens; leaving is shielded and bounded
-    (see :class:`~._grpc.GrpcServer`).
+    Does nothing (yields ``None``) unless ``service.settings.grpc_port`` is set; else yields
+    ``grpc://host:port`` (the form SGLang's ``--encoder-urls`` takes). Entering is a
+    checkpoint that returns once the gRPC server listens; leaving is shielded and bounded
+    (see :class:`~._grpc_server.GrpcServer`).
 
     :param sglang: the SGLang calls to serve (anything with ``encode``, ``send`` and
         ``scheduler_receive_url``); by default one is opened over ``backend``.
@@ -76,8 +65,6 @@ async def grpc_beside(
 
     async with AsyncExitStack() as stack:
         if sglang is None:
-            from ._sglang_service import SglangService
-
             sglang = await stack.enter_async_context(
                 SglangService(backend, service.config, peers=service.peers)
             )
@@ -91,11 +78,8 @@ async def grpc_beside(
             grace_s=service.config.shutdown_grace_s,
         )
         await stack.enter_async_context(server)
-        _RUNNING[service] = server
-        try:
-            yield server
-        finally:
-            del _RUNNING[service]
+        host = settings.grpc_host
+        yield f"grpc://{f'[{host}]' if ':' in host else host}:{server.port}"
 
 
 class _Admitted:

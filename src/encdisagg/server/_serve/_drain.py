@@ -16,7 +16,7 @@ from typing import Final, Protocol
 import anyio
 import anyio.lowlevel
 
-from ._metrics import ServiceSnapshot
+from .._metrics import ServiceSnapshot
 
 __all__ = ["ServeDrain"]
 

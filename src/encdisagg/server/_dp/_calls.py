@@ -15,10 +15,10 @@ from typing import Any
 
 import anyio
 
-from .. import _tracing
-from .._errors import EncdisaggError, RequestTimeoutError, ServiceUnavailableError
-from ._dp_workers import DpWorker
+from ... import _tracing
+from ..._errors import EncdisaggError, RequestTimeoutError, ServiceUnavailableError
 from ._ipc import ControlMessage, ReplyMessage, WorkMessage
+from ._workers import DpWorker
 
 __all__ = ["PendingCalls"]
 

@@ -1,7 +1,7 @@
 """SGLang's ``SglangEncoder`` gRPC service over the SGLang wire's dict bodies.
 
 Each RPC turns its protobuf request into the body SGLang's HTTP language side would have
-posted, hands it to the server's event loop (see :mod:`._grpc`), and turns the answer back
+posted, hands it to the server's event loop (see :mod:`._grpc_server`), and turns the answer back
 into the protobuf response. Errors map as SGLang's own gRPC encoder maps them: a
 :class:`~encdisagg.BadRequestError` is ``INVALID_ARGUMENT``, anything else ``INTERNAL``
 (but a refused destination, which SGLang has no such check for, is ``PERMISSION_DENIED``).
@@ -19,13 +19,14 @@ from typing import Any, Final, Protocol
 import grpc
 from smg_grpc_proto.generated import sglang_encoder_pb2 as pb
 
-from .._errors import (
+from ..._errors import (
     BadRequestError,
     EncdisaggError,
     ServiceUnavailableError,
     TransferTimeoutError,
 )
-from ._access import ApiKey, ForbiddenError
+from .._access import ApiKey, ForbiddenError
+from .._json import public_message
 
 __all__ = [
     "SERVICE_NAME",
@@ -139,11 +140,8 @@ def encode_response(answer: object) -> pb.EncodeResponse:
 
 
 def _public(message: str) -> str:
-    # The HTTP routes scrub object reprs (addresses of this process) from answered messages;
-    # imported late: the app imports this module only when it serves gRPC.
-    from ._http_bodies import public_message as scrub
-
-    text = scrub(message)
+    # Scrubbed of object reprs (addresses of this process) as the HTTP routes' answers are.
+    text = public_message(message)
     return text if len(text) <= _MAX_DETAILS_CHARS else text[:_MAX_DETAILS_CHARS] + "..."
 
 

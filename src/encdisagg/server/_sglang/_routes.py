@@ -11,23 +11,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from quart import Blueprint, Quart
 
-from .._errors import BadRequestError, ServiceUnavailableError
-from ._backend import Backend
-from ._fields import type_name
-from ._lifespan import ServiceLifespan
-from ._sglang_register import registered_with
-from ._sglang_service import SglangService
-
-if TYPE_CHECKING:
-    from ._app import EncoderService
+from ..._errors import BadRequestError, ServiceUnavailableError
+from .._asgi._lifespan import ServiceLifespan
+from .._backend import Backend
+from .._fields import type_name
+from .._service import EncoderService, Route
+from ._register import registered_with
+from ._service import SglangService
 
 __all__ = ["SglangWire", "mount_sglang"]
 
-_Route = Callable[["EncoderService", Backend, object], Awaitable[object]]
 _Call = Callable[[SglangService, Mapping[str, object]], Awaitable[object]]
 
 
@@ -67,7 +64,7 @@ class SglangWire:
             finally:
                 self.sglang = None
 
-    def route(self, call: _Call) -> _Route:
+    def route(self, call: _Call) -> Route:
         """A route of the app calling ``call`` with the decoded body."""
 
         async def handle(service: EncoderService, backend: Backend, body: object) -> object:
@@ -81,7 +78,7 @@ class SglangWire:
         return handle
 
 
-def mount_sglang(app: Quart, blueprint: Blueprint, service: EncoderService) -> dict[str, _Route]:
+def mount_sglang(app: Quart, blueprint: Blueprint, service: EncoderService) -> dict[str, Route]:
     """Add ``/health_generate`` to ``blueprint``, open the wire inside ``app``'s lifespan,
     and return SGLang's routes (path → route) in place of ours. Call it before the encoder
     service's own lifespan wraps ``app`` (so it runs inside it)."""

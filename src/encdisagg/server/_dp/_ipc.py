@@ -29,7 +29,7 @@ import msgpack
 import msgspec
 import zmq
 
-from .._errors import (
+from ..._errors import (
     BadRequestError,
     EncdisaggError,
     InternalError,

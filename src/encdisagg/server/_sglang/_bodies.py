@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Self
 
-from .._errors import BadRequestError
-from .._modality import Modality
-from ..encoder import MooncakeDestination
-from ._fields import Fields, type_name
-from ._json import INT_MAX
-from ._messages import MAX_PUSH_URLS, EncodeBody, SendBody
+from ..._errors import BadRequestError
+from ..._modality import Modality
+from ...encoder import MooncakeDestination
+from .._fields import Fields, type_name
+from .._json import INT_MAX
+from .._messages import MAX_PUSH_URLS, EncodeBody, SendBody
 
 __all__ = ["SglangEncodeBody", "SglangSendBody", "metadata_answer"]
 

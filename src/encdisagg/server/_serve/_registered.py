@@ -18,12 +18,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._config import EncoderConfig
-from .._errors import ServiceUnavailableError
-from .._modality import Modality
-from ..registry import EncoderLoad, EncoderRecord, Registration
-from ._app import EncoderService
-from ._settings import ServerSettings
+from ..._config import EncoderConfig
+from ..._errors import ServiceUnavailableError
+from ..._modality import Modality
+from ...registry import EncoderLoad, EncoderRecord, Registration
+from .._service import EncoderService
+from .._settings import ServerSettings
 
 __all__ = ["ServerRegistration"]
 
@@ -45,7 +45,7 @@ def _modalities(config: EncoderConfig) -> tuple[Modality, ...]:
     # The null model takes anything; the Qwen2-VL family encodes images and videos.
     if config.model == "null":
         return tuple(Modality)
-    from ..models._audio_loading import is_audio_model
+    from ...models._audio_loading import is_audio_model
 
     if is_audio_model(config.model):  # Qwen2-Audio / Qwen2.5-Omni encoders: audio alone
         return (Modality.AUDIO,)

@@ -15,7 +15,7 @@ from typing import Final
 import anyio
 import anyio.lowlevel
 
-from .._errors import BadRequestError, RequestTimeoutError
+from ..._errors import BadRequestError, RequestTimeoutError
 
 __all__ = ["PushDestinations", "Registration"]
 

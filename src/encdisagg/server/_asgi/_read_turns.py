@@ -37,7 +37,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
 
-from .._errors import BadRequestError
+from ..._errors import BadRequestError
 from ._eof_close import _TrioTCPServer
 
 __all__ = [

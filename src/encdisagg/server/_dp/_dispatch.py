@@ -16,8 +16,8 @@ from typing import Final, Protocol
 
 import anyio
 
-from .._errors import RequestTimeoutError, ServiceUnavailableError
-from ..nurseries import KeyedRendezvous
+from ..._errors import RequestTimeoutError, ServiceUnavailableError
+from ...nurseries import KeyedRendezvous
 
 __all__ = ["RoutedWorker", "Router"]
 

@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Final
 
-from ..transfer._native_logs import quiet_mooncake_by_default
+from ...transfer._native_logs import quiet_mooncake_by_default
 
 __all__ = ["NOISY_LOGGERS", "THIRD_PARTY_DEBUG_ENV", "quiet_third_party"]
 

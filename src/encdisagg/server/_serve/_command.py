@@ -1,6 +1,6 @@
 """``encdisagg serve``: check the options, bind the port, then load the server and serve.
 
-The flags are declared in ``encdisagg._cli`` and resolved by ``_serve_options`` (flags over
+The flags are declared in ``encdisagg._cli`` and resolved by ``_resolve`` (flags over
 ``ENCDISAGG_*`` variables over the TOML file), neither of which imports torch: invalid
 options exit with status 2 at once, a busy port with status 1 before the model loads. Only
 then are the server and the model code imported; each step of the startup is logged.
@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.abc
 
-from ._access import is_loopback_host
-from ._listen import bind_socket
-from ._logs import configure_logging
+from .._access import is_loopback_host
+from .._asgi._listen import bind_socket
+from .._logs import configure_logging
+from .._settings import ServerSettings
 from ._malloc import return_large_frees_to_the_os
-from ._serve_options import API_KEY_ENV, ServeOptions, UsageError, resolve
-from ._settings import ServerSettings
+from ._resolve import API_KEY_ENV, ServeOptions, UsageError, resolve
 from ._startup import describe_startup_failure
 
 if TYPE_CHECKING:
-    from ._app import EncoderService
+    from .._service import EncoderService
 
 __all__ = ["ServeOptions", "UsageError", "check_serve", "resolve", "run_serve", "warn_if_exposed"]
 
@@ -82,11 +82,10 @@ async def _main(options: ServeOptions, listener: socket.socket) -> int:
     after a second signal stopped it at once."""
     # Imported once the options are valid and the port is ours: these pull torch and the
     # model code, seconds of imports a bad option should not wait for.
-    from ._app import create_app
+    from .._app import create_app
+    from .._asgi._runner import serve
     from ._drain import ServeDrain
-    from ._grpc_serving import grpc_url
     from ._registered import ServerRegistration
-    from ._runner import serve
 
     config = options.config
     settings = options.settings
@@ -105,7 +104,7 @@ async def _main(options: ServeOptions, listener: socket.socket) -> int:
 
     def on_serving(url: str) -> None:
         _announce(f"encdisagg serving on {url}", options.log_format, url=url)
-        grpc = grpc_url(service)
+        grpc = service.grpc_url
         if grpc is not None:
             _announce(f"encdisagg gRPC serving on {grpc}", options.log_format, grpc_url=grpc)
         registration.on_serving(url)

@@ -2,7 +2,7 @@
 in and out, ``req_id``, and the trace id when tracing is on.
 
 An ASGI middleware around the app. It gives each request a fresh
-:class:`~._logs.RequestContext` in the context variable before the app runs, so the routes'
+:class:`~.._logs.RequestContext` in the context variable before the app runs, so the routes'
 records carry the ``req_id`` they decoded, and logs the line once the response ended (also
 when the client went away or the request was cancelled: status 499 then, as nginx does; or
 444, "dropped by the server", when the server itself was stopped at once).
@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from typing import Any, Final
 
-from ._logs import CURRENT_REQUEST, RequestContext
+from .._logs import CURRENT_REQUEST, RequestContext
 
 __all__ = ["ACCESS_LOGGER", "AccessLog"]
 

@@ -13,8 +13,8 @@ import re
 import socket
 from typing import Final
 
-from .._errors import EncdisaggError
-from ..nurseries import leaf_exceptions
+from ..._errors import EncdisaggError
+from ...nurseries import leaf_exceptions
 
 __all__ = ["describe_startup_failure"]
 

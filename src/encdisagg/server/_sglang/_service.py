@@ -35,8 +35,8 @@ from typing import Final
 
 import anyio
 
-from .._config import EncoderConfig
-from .._errors import (
+from ..._config import EncoderConfig
+from ..._errors import (
     BadRequestError,
     EncdisaggError,
     InternalError,
@@ -45,21 +45,21 @@ from .._errors import (
     TransferError,
     TransferTimeoutError,
 )
-from .._modality import Modality
-from .._video_timing import VideoTiming
-from ..encoder import Encoder, EncodeResult, ZmqDestination
-from ..nurseries import run_thread_to_completion
-from ..transfer import ReceivedPart, payload_view
-from ..transfer._sglang_frames import SglangPart, sglang_header
-from ..transfer._sglang_push import SglangPusher
-from ._access import PeerAllowList
-from ._backend import Backend, LocalBackend
-from ._client_watch import note_staged
-from ._messages import MetadataBody, ReceiveUrlBody
-from ._sglang_bodies import SglangEncodeBody, SglangSendBody, metadata_answer
-from ._sglang_destinations import PushDestinations
-from ._sglang_relay import relay_staged
-from ._sglang_video import VideoFields, model_type_of, video_aux, video_fields
+from ..._modality import Modality
+from ..._video_timing import VideoTiming
+from ...encoder import Encoder, EncodeResult, ZmqDestination
+from ...nurseries import run_thread_to_completion
+from ...transfer import ReceivedPart, payload_view
+from ...transfer._sglang_frames import SglangPart, sglang_header
+from ...transfer._sglang_push import SglangPusher
+from .._access import PeerAllowList
+from .._backend import Backend, LocalBackend
+from .._client_watch import note_staged
+from .._messages import MetadataBody, ReceiveUrlBody
+from ._bodies import SglangEncodeBody, SglangSendBody, metadata_answer
+from ._destinations import PushDestinations
+from ._relay import relay_staged
+from ._video import VideoFields, model_type_of, video_aux, video_fields
 
 __all__ = ["SglangService"]
 
@@ -367,7 +367,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
         return part
 
     async def _relay(self, req_id: str) -> ReceivedPart:
-        """The staged part's bytes, by way of the Encoder's own push (see ``_sglang_relay``)."""
+        """The staged part's bytes, by way of the Encoder's own push (see ``_relay``)."""
         return await relay_staged(
             self._backend, req_id, bind=self._relay_bind, timeout_s=self._config.zmq_send_timeout_s
         )

@@ -1,6 +1,6 @@
 """A data-parallel worker process: one Encoder, driven over ZMQ IPC by the front.
 
-Started by the front as ``python -m encdisagg.server._worker ...`` (see ``_dp``); not meant
+Started by the front as ``python -m encdisagg.server._dp._worker ...`` (see ``_front``); not meant
 to be run by hand. Ownership::
 
     worker main                    anyio.run
@@ -31,19 +31,12 @@ import anyio
 import anyio.abc
 import zmq
 
-from .. import _tracing
-from .._config import EncoderConfig
-from .._errors import EncdisaggError, InternalError
-from ._backend import LocalBackend
-from ._ipc import (
-    ControlMessage,
-    IpcSocket,
-    MalformedMessage,
-    ReplyMessage,
-    WorkMessage,
-)
-from ._logs import configure_logging
-from ._messages import (
+from ... import _tracing
+from ..._config import EncoderConfig
+from ..._errors import EncdisaggError, InternalError
+from .._backend import LocalBackend
+from .._logs import configure_logging
+from .._messages import (
     EncodeBody,
     MetadataBody,
     ReceiveUrlBody,
@@ -51,8 +44,15 @@ from ._messages import (
     SendBody,
     result_to_wire,
 )
-from ._noise import quiet_third_party
-from ._startup import describe_startup_failure
+from .._serve._noise import quiet_third_party
+from .._serve._startup import describe_startup_failure
+from ._ipc import (
+    ControlMessage,
+    IpcSocket,
+    MalformedMessage,
+    ReplyMessage,
+    WorkMessage,
+)
 
 __all__ = ["main"]
 

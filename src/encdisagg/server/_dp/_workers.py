@@ -1,11 +1,11 @@
 """Data parallel: supervising the worker processes (start, readiness, exit, stop).
 
-Workers are spawned as ``python -m encdisagg.server._worker`` (a fresh interpreter: no
+Workers are spawned as ``python -m encdisagg.server._dp._worker`` (a fresh interpreter: no
 inherited event loop, threads or CUDA state, and no pickle on the way in; the Encoder config
 travels as a JSON file). They are started before the service is reported up and stopped on
 exit: a ``stop`` message, then SIGTERM, then SIGKILL, each step bounded. A worker that dies
 while the service runs is started again on fresh channels, with backoff, until its rank
-died too often (:mod:`._dp_restarts`); then the front gives up on it and says so.
+died too often (:mod:`._restarts`); then the front gives up on it and says so.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Final
 import anyio
 import anyio.abc
 
-from .._errors import ServiceUnavailableError
-from ..nurseries import ServiceTaskGroup
-from ._dp_restarts import RestartPolicy
+from ..._errors import ServiceUnavailableError
+from ...nurseries import ServiceTaskGroup
+from .._settings import ServerSettings
 from ._ipc import ControlMessage, IpcSocket
-from ._settings import ServerSettings
+from ._restarts import RestartPolicy
 
 __all__ = ["DpWorker", "WorkerSupervisor"]
 

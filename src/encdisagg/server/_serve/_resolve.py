@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from .._config import EncoderConfig
-from .._devices import worker_devices
-from .._errors import BadRequestError
-from .._hub import looks_like_hub_id, resolve_hub_model
-from .._model_names import BUILTIN_MODEL_NAMES, SERVER_MODEL_NAMES, not_a_model
+from ..._config import EncoderConfig
+from ..._devices import worker_devices
+from ..._errors import BadRequestError
+from ..._hub import looks_like_hub_id, resolve_hub_model
+from ..._model_names import BUILTIN_MODEL_NAMES, SERVER_MODEL_NAMES, not_a_model
+from .._logs import LogFormat
+from .._settings import ServerSettings
 from ._config_file import read_config_file
-from ._logs import LogFormat
-from ._serve_flags import FLAGS, Flag
-from ._settings import ServerSettings
+from ._flag_table import FLAGS, Flag
 
 __all__ = ["API_KEY_ENV", "ServeOptions", "UsageError", "resolve"]
 
@@ -342,7 +342,7 @@ def _settings(
 
 
 def _grpc_missing() -> str | None:
-    from ._grpc import grpc_missing
+    from .._sglang._grpc_server import grpc_missing
 
     return grpc_missing()
 

@@ -15,7 +15,7 @@ from typing import Final
 
 import anyio
 
-from .._errors import (
+from ..._errors import (
     BadRequestError,
     EncdisaggError,
     InternalError,
@@ -25,11 +25,11 @@ from .._errors import (
     ServiceUnavailableError,
     TransferError,
 )
-from ..encoder import ZmqDestination
-from ..nurseries import collapse_single_error
-from ..transfer import ReceivedPart, ZmqReceiver
-from ._backend import Backend
-from ._messages import SendBody
+from ...encoder import ZmqDestination
+from ...nurseries import collapse_single_error
+from ...transfer import ReceivedPart, ZmqReceiver
+from .._backend import Backend
+from .._messages import SendBody
 
 __all__ = ["relay_staged"]
 

@@ -27,8 +27,8 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-from ..nurseries import collapse_single_error
-from ._access import ApiKey
+from ...nurseries import collapse_single_error
+from .._access import ApiKey
 
 if TYPE_CHECKING:
     # Imports grpc: only once the grpc extra is known to be installed.
@@ -165,7 +165,7 @@ class _Bridge:
         self._portal = portal
 
     async def __call__(self, call: Callable[[Any], Awaitable[object]], body: Any) -> object:
-        from .._errors import ServiceUnavailableError
+        from ..._errors import ServiceUnavailableError
 
         loop = asyncio.get_running_loop()
         finished = asyncio.Event()

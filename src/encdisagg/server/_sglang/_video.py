@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final, Literal
 
-from .._video_timing import VideoTiming
+from ..._video_timing import VideoTiming
 
 __all__ = ["VideoFields", "model_type_of", "video_aux", "video_fields"]
 

@@ -1,0 +1,165 @@
+"""The source tree's shape: no import circles, and no folder too crowded to read.
+
+The graph is read from the source with :mod:`ast`, not by importing it: every ``import`` counts,
+at module level, inside functions and under ``TYPE_CHECKING``, since each one is an arrow a
+reader has to follow.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "encdisagg"
+PACKAGE = SRC.name
+
+#: Most ``.py`` files a folder under the package may hold.
+MOST_FILES = 15
+
+#: Circles present before this rule was written, each as its sorted modules. A circle listed
+#: here is tolerated, not wanted: whoever breaks one deletes its line.
+KNOWN_CIRCLES: frozenset[tuple[str, ...]] = frozenset(
+    {
+        # The receiver's landing state reaches back into the receiver that owns it.
+        ("encdisagg.receiver._pending", "encdisagg.receiver._receiver"),
+        # A held request names the queue's request type; the queue holds requests.
+        ("encdisagg.decode._held", "encdisagg.decode._transfer"),
+    }
+)
+
+#: Folders over :data:`MOST_FILES` before this rule was written, each with its count then:
+#: it may shrink, not grow. Whoever brings one to :data:`MOST_FILES` or below deletes its line.
+KNOWN_CROWDS: dict[str, int] = {
+    # The model families and their loaders, side by side.
+    "models": 27,
+    # The Encoder, its batching, delivery and lifecycle.
+    "encoder": 23,
+    # Mooncake, ZMQ and SGLang's frames.
+    "transfer": 21,
+    # The demo pipeline.
+    "pipeline": 18,
+    # The receiver, its landing and its fleet fetch.
+    "receiver": 18,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = [PACKAGE, *path.relative_to(SRC).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(SRC.rglob("*.py"))}
+
+
+def _arrows(node: ast.Import | ast.ImportFrom, module: str, modules: dict[str, Path]) -> set[str]:
+    """The project modules one import statement in *module* reaches."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    if node.level == 0:
+        base = node.module or ""
+    else:
+        # A package's own name is its anchor for ``from . import``; a module's is its parent.
+        anchor = module.split(".")
+        if modules[module].name != "__init__.py":
+            anchor.pop()
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join([*anchor, *([node.module] if node.module else [])])
+    # ``from pkg import name`` reaches the submodule ``pkg.name`` where there is one, else a
+    # name defined (or loaded) by ``pkg`` itself.
+    submodules = {f"{base}.{alias.name}" for alias in node.names} & set(modules)
+    if base in modules and len(submodules) < len(node.names):
+        submodules.add(base)
+    return submodules
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        arrows: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                arrows |= _arrows(node, module, modules)
+        graph[module] = arrows - {module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[tuple[str, ...]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph.get(node, ())):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(tuple(sorted(component)))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_every_kind_of_import() -> None:
+    graph = _graph()
+    # ``from ._errors import ...`` at the top of the package's own __init__.
+    assert "encdisagg._errors" in graph["encdisagg"]
+    # ``from .. import _tracing``: the submodule, not the package.
+    assert "encdisagg._tracing" in graph["encdisagg.server._dp._calls"]
+    # Inside a function (``encdisagg receive --from`` loads its fetch late).
+    assert "encdisagg._shell._receive_staged" in graph["encdisagg._shell._receive"]
+    # Under ``TYPE_CHECKING``.
+    assert (
+        "encdisagg.server._sglang._grpc_service" in graph["encdisagg.server._sglang._grpc_beside"]
+    )
+
+
+def test_circles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _circles(graph) == [("a", "b", "c")]
+
+
+def test_no_new_import_circle() -> None:
+    circles = set(_circles(_graph()))
+    new = sorted(circles - KNOWN_CIRCLES)
+    assert not new, "import circles: " + "; ".join(" <-> ".join(circle) for circle in new)
+    gone = sorted(KNOWN_CIRCLES - circles)
+    assert not gone, f"broken circles still listed in KNOWN_CIRCLES: {gone}"
+
+
+def test_no_circle_in_the_server() -> None:
+    circles = _circles(_graph())
+    server = "encdisagg.server"
+    assert not [circle for circle in circles if any(name.startswith(server) for name in circle)]
+
+
+def test_no_folder_is_crowded() -> None:
+    counts = Counter(path.parent.relative_to(SRC).as_posix() for path in SRC.rglob("*.py"))
+    crowded = {folder: count for folder, count in counts.items() if count > MOST_FILES}
+    for folder, count in crowded.items():
+        assert count <= KNOWN_CROWDS.get(folder, MOST_FILES), f"{folder}/ holds {count} files"
+    gone = sorted(set(KNOWN_CROWDS) - set(crowded))
+    assert not gone, f"folders back under {MOST_FILES} still listed in KNOWN_CROWDS: {gone}"
