@@ -23,7 +23,7 @@ error is raised: the route answers 500, so a 200 always means every shard has th
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -171,25 +171,14 @@ async def _reserve(
     """Reserve on every shard at once; every reservation made is recorded in ``into``, and
     every shard that did not answer in ``unanswered``, before the first failure (if any)
     is raised."""
-    failures: list[BaseException] = []
 
     async def one(address: str) -> None:
-        try:
-            answer = await channel.request(
-                address, {"op": "reserve_batch", "items": [spec.reserve_item()]}
-            )
-            into[address] = _shard(address, answer, clock())
-        except TransferTimeoutError as exc:
-            unanswered.append(address)
-            failures.append(exc)
-        except EncdisaggError as exc:
-            failures.append(exc)
+        answer = await channel.request(
+            address, {"op": "reserve_batch", "items": [spec.reserve_item()]}
+        )
+        into[address] = _shard(address, answer, clock())
 
-    async with anyio.create_task_group() as group:
-        for address in addresses:
-            group.start_soon(one, address)
-    if failures:
-        raise failures[0]
+    await _on_each(addresses, one, timed_out=unanswered.append)
 
 
 def _shard(address: str, answer: object, now: float) -> Shard:
@@ -252,54 +241,65 @@ async def _refresh(
 
 
 async def _write_all(write: Write, shards: list[Shard], unknown: set[str]) -> None:
-    failures: list[EncdisaggError] = []
-
     async def one(shard: Shard) -> None:
-        try:
-            await write(shard, len(shards))
-        except TransferTimeoutError as exc:
-            unknown.add(shard.address)  # the bytes may still land: not handed back
-            failures.append(exc)
-        except EncdisaggError as exc:
-            failures.append(exc)
+        await write(shard, len(shards))
 
-    async with anyio.create_task_group() as group:
-        for shard in shards:
-            group.start_soon(one, shard)
-    if failures:
-        raise failures[0]
+    # A write that timed out may still land: its shard's reservation is not handed back.
+    await _on_each(shards, one, timed_out=lambda shard: unknown.add(shard.address))
 
 
 async def _complete(channel: ControlChannel, spec: PushSpec, shards: list[Shard]) -> None:
+    async def one(shard: Shard) -> None:
+        answer = await channel.request(
+            shard.address,
+            {
+                "op": "complete_batch",
+                "items": [
+                    {"transfer_id": spec.transfer_id, "reservation_id": shard.reservation_id}
+                ],
+            },
+        )
+        items = answer.get("items") if isinstance(answer, dict) else None
+        if (
+            not isinstance(items, list)
+            or len(items) != 1
+            or not isinstance(items[0], dict)
+            or items[0].get("completed") is not True
+        ):
+            raise ControlError(
+                f"complete_batch to {shard.address}: the reservation was not completed"
+            )
+
+    await _on_each(shards, one)
+
+
+async def _on_each(
+    targets: Iterable[_T],
+    call: Callable[[_T], Awaitable[None]],
+    *,
+    timed_out: Callable[[_T], object] | None = None,
+) -> None:
+    """``call`` every target at once and wait for all; then raise the first failure, if any.
+
+    A failure does not cancel the other calls: each records what it did (a reservation
+    made, a write started) for the cleanup to see. ``timed_out`` is told of each target whose
+    call ended with an unknown outcome.
+    """
     failures: list[EncdisaggError] = []
 
-    async def one(shard: Shard) -> None:
+    async def one(target: _T) -> None:
         try:
-            answer = await channel.request(
-                shard.address,
-                {
-                    "op": "complete_batch",
-                    "items": [
-                        {"transfer_id": spec.transfer_id, "reservation_id": shard.reservation_id}
-                    ],
-                },
-            )
-            items = answer.get("items") if isinstance(answer, dict) else None
-            if (
-                not isinstance(items, list)
-                or len(items) != 1
-                or not isinstance(items[0], dict)
-                or items[0].get("completed") is not True
-            ):
-                raise ControlError(
-                    f"complete_batch to {shard.address}: the reservation was not completed"
-                )
+            await call(target)
+        except TransferTimeoutError as exc:
+            if timed_out is not None:
+                timed_out(target)
+            failures.append(exc)
         except EncdisaggError as exc:
             failures.append(exc)
 
     async with anyio.create_task_group() as group:
-        for shard in shards:
-            group.start_soon(one, shard)
+        for target in targets:
+            group.start_soon(one, target)
     if failures:
         raise failures[0]
 
