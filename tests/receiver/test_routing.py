@@ -184,3 +184,12 @@ async def test_a_repeated_image_stays_on_one_encoder_and_a_hot_one_spreads(
         grown = [url for url, faults, _, _ in encoders if len(faults.calls) > before[url]]
         assert len(grown) == 1
         assert all(fleet.load(url) == 0 for url, _, _, _ in encoders)
+
+
+def test_the_client_passes_a_routing_to_the_fleet_it_builds_and_refuses_it_otherwise() -> None:
+    least = FleetRouting(routing="least_loaded")
+    client = EncoderClient(registry="etcd://127.0.0.1:2379/encoders", routing=least)
+    assert client.fleet is not None
+    assert client.fleet.routing == least
+    with pytest.raises(ValueError, match="routing goes with registry="):
+        EncoderClient(["http://127.0.0.1:8000"], routing=least)

@@ -21,6 +21,7 @@ from ._fleet import EncoderFleet
 from ._groups import first_error
 from ._messages import PartMetadata
 from ._plan import PartPlan, RequestPlan, assign_parts
+from ._routing import FleetRouting
 from ._targets import SendTarget
 from ._wire_items import needs_conversion, wire_items
 
@@ -86,6 +87,8 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         planned over its live encoders (by affinity under a load bound, or least-loaded:
         see :class:`EncoderFleet`), and :func:`fetch_from_fleet` fails parts over between them.
     :param model: with ``registry``, only encoders of this model are used.
+    :param routing: with ``registry`` given as a URL, how the fleet routes items (default:
+        by affinity under a load bound); an :class:`EncoderFleet` you pass carries its own.
     """
 
     def __init__(
@@ -101,9 +104,14 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         transport: httpx.AsyncBaseTransport | None = None,
         registry: str | EncoderFleet | None = None,
         model: str | None = None,
+        routing: FleetRouting | None = None,
     ) -> None:
+        if routing is not None and not isinstance(registry, str):
+            raise ConfigError(
+                "routing goes with registry='etcd://...'; an EncoderFleet carries its own"
+            )
         if isinstance(registry, str):
-            registry = EncoderFleet(registry, model=model)
+            registry = EncoderFleet(registry, model=model, routing=routing)
         #: The discovered fleet, when built with a registry; plans then come from it.
         self.fleet = registry
         if registry is not None and urls:
