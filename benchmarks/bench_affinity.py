@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import time
 from contextlib import AsyncExitStack
 from typing import Any
 
 from _common import Options, headline, parse_options, write_json, write_png
-from bench_fleet import Etcd
+from bench_fleet import Etcd, etcd_or_skip
 
 NAME = "affinity"
 CONCURRENCY = 8
@@ -159,11 +158,8 @@ def _plot(options: Options, data: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     options = parse_options(__doc__.splitlines()[0], argv)
-    binary = shutil.which("etcd")
+    binary = etcd_or_skip(options, NAME)
     if binary is None:
-        reason = "etcd is not installed (Debian's etcd-server package)"
-        print(f"skipped: {reason}")
-        write_json(options, NAME, {"skipped": reason, "headline": []})
         return 0
     import anyio
 

@@ -64,6 +64,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def etcd_or_skip(options: Options, name: str) -> str | None:
+    """The etcd binary; without one, the benchmark ``name`` is written as skipped (saying
+    why) and ``None`` is returned."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        reason = "etcd is not installed (Debian's etcd-server package)"
+        print(f"skipped: {reason}")
+        write_json(options, name, {"skipped": reason, "headline": []})
+    return binary
+
+
 class Etcd:
     """etcd on loopback with a temporary data dir, for the run."""
 
@@ -290,11 +301,8 @@ def _plot(options: Options, data: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     options = parse_options(__doc__.splitlines()[0], argv)
-    binary = shutil.which("etcd")
+    binary = etcd_or_skip(options, NAME)
     if binary is None:
-        reason = "etcd is not installed (Debian's etcd-server package)"
-        print(f"skipped: {reason}")
-        write_json(options, NAME, {"skipped": reason, "headline": []})
         return 0
     addresses = [h for h in ENCODER_HOSTS if _bindable(h)] or ["127.0.0.1"] * 3
     import anyio
