@@ -44,6 +44,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from _common import Options, headline, parse_options, write_json, write_png
+from _epd_stages import (
+    COLOCATED_STAGES,
+    STAGES,
+    colocated_stages,
+    in_memory_tracing,
+    traced_stages,
+)
 
 NEW_TOKENS = 16
 #: Tokens per request of the long-generation cells.
@@ -159,7 +166,9 @@ def _colocated_one(
     for url in urls:
         data = base64.b64decode(url.split(",", 1)[1])
         images.append(Image.open(io.BytesIO(data)).convert("RGB"))
+    decoded = time.perf_counter()
     pixels = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")
+    processed = time.perf_counter()
     merge = int(lm.model.config.vision_config.spatial_merge_size)
     counts = [int(row.prod()) // (merge * merge) for row in pixels["image_grid_thw"]]
     ids = torch.tensor([lm.prompt_ids(prompt, counts)], dtype=torch.long)
@@ -180,7 +189,20 @@ def _colocated_one(
     tpot = None
     if len(clock.stamps) > 1:
         tpot = (clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1)
-    return {"ttft_s": ttft, "tpot_s": tpot, "tokens": clock.tokens, "decode_s": decode_s}
+    stages = dict(
+        zip(
+            COLOCATED_STAGES,
+            (decoded - start, processed - decoded, clock.stamps[0] - processed),
+            strict=True,
+        )
+    )
+    return {
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "tokens": clock.tokens,
+        "decode_s": decode_s,
+        "stages": stages,
+    }
 
 
 async def _colocated(cell: dict[str, Any], lm: Any) -> dict[str, Any]:
@@ -276,6 +298,42 @@ def _plot(options: Options, rows: list[dict[str, Any]]) -> None:
     write_png(options, "epd", draw, size=(11, 4.5))
 
 
+def _add_breakdowns(rows: list[dict[str, Any]], colocated: dict[str, list[dict[str, Any]]]) -> None:
+    """Give each concurrency-1 row of 16 tokens its per-stage breakdown (see ``_epd_stages``):
+    one traced run of the pipeline after every timed run is done (a tracer provider, once set,
+    stays), beside the colocated stages of the timed runs."""
+    import anyio
+
+    try:
+        exporter = in_memory_tracing()
+    except ImportError:
+        print("no breakdown: the OpenTelemetry SDK is not installed (the otel extra)")
+        return
+    for row in rows:
+        if row["concurrency"] != 1 or row.get("new_tokens", NEW_TOKENS) != NEW_TOKENS:
+            continue
+        exporter.clear()
+        run = anyio.run(_disaggregated, row)
+        ttft = {rid: r["ttft_s"] for rid, r in run["requests"].items()}
+        pooled = {
+            f"{index}/{rid}": request
+            for index, repeat in enumerate(colocated[row["name"]])
+            for rid, request in repeat["requests"].items()
+        }
+        row["stages"] = {
+            "traced_ttft_p50_ms": statistics.median(ttft.values()) * 1e3,
+            "disaggregated_ms": traced_stages(exporter.get_finished_spans(), ttft),
+            "colocated_ms": colocated_stages(pooled),
+        }
+        print(
+            f"{row['name']}: stages, p50 ms (traced TTFT {row['stages']['traced_ttft_p50_ms']:.1f})"
+        )
+        for stage in STAGES:
+            print(f"  {stage:>40} {row['stages']['disaggregated_ms'][stage]:7.2f}")
+        for stage in COLOCATED_STAGES:
+            print(f"  {'colocated: ' + stage:>40} {row['stages']['colocated_ms'][stage]:7.2f}")
+
+
 #: The issue's goal for the time per output token against colocated, where requests overlap.
 TPOT_GOAL = 1.5
 
@@ -354,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = options.repeats or options.pick(3, 1)
     lm = LanguageModel.tiny()
     rows = []
+    colocated_runs: dict[str, list[dict[str, Any]]] = {}
     for cell in _scenarios(options):
         disaggregated: list[dict[str, Any]] = []
         colocated: list[dict[str, Any]] = []
@@ -388,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         row["ttft_ratio"] = row["disaggregated"]["ttft_p50_ms"] / row["colocated"]["ttft_p50_ms"]
         row["tpot_ratio"] = row["disaggregated"]["tpot_p50_ms"] / row["colocated"]["tpot_p50_ms"]
         rows.append(row)
+        colocated_runs[cell["name"]] = colocated
         print(
             f"{cell['name']:>30}: TTFT {row['disaggregated']['ttft_p50_ms']:.1f} vs "
             f"{row['colocated']['ttft_p50_ms']:.1f} ms ({row['ttft_ratio']:.2f}x), TPOT "
@@ -396,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             f"vs {row['colocated_decode_tokens_per_s']:.0f} tok/s (batch "
             f"{row['mean_decode_batch']:.1f}), parity {parity}, demo ok {row['demo_ok']}"
         )
+    _add_breakdowns(rows, colocated_runs)
     heads = headlines(rows)
     data = {"new_tokens": NEW_TOKENS, "repeats": repeats, "rows": rows, "headline": heads}
     write_json(options, "epd", data)
