@@ -23,8 +23,6 @@ KNOWN_CIRCLES: frozenset[tuple[str, ...]] = frozenset(
     {
         # The receiver's landing state reaches back into the receiver that owns it.
         ("encdisagg.receiver._pending", "encdisagg.receiver._receiver"),
-        # A held request names the queue's request type; the queue holds requests.
-        ("encdisagg.decode._held", "encdisagg.decode._transfer"),
     }
 )
 
