@@ -50,6 +50,7 @@ from .._settings import ServerSettings
 from ._calls import PendingCalls
 from ._dispatch import Router
 from ._ipc import IpcSocket, MalformedMessage, ReplyMessage
+from ._process_metrics import read_process_stats
 from ._workers import DpWorker, WorkerSupervisor
 
 __all__ = ["DataParallelBackend"]
@@ -389,7 +390,8 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         return HealthReport(True, probed)
 
     async def snapshot(self) -> ServiceSnapshot:
-        """Every live worker's metrics, summed, plus the workers' state. A checkpoint."""
+        """Every live worker's metrics, summed, plus the workers' state and processes' CPU and
+        memory. A checkpoint."""
         outcomes = await self._broadcast("stats", _STATS_TIMEOUT_S)
         snapshots = []
         for rank, outcome in outcomes.items():
@@ -403,7 +405,10 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                 _log.warning("worker %s sent malformed metrics: %s", rank, exc.message)
         return ServiceSnapshot(
             MetricsSnapshot.merge(snapshots),
-            tuple(WorkerStatus(w.rank, w.alive, w.load, w.pid, w.restarts) for w in self._workers),
+            tuple(
+                WorkerStatus(w.rank, w.alive, w.load, w.pid, w.restarts, read_process_stats(w.pid))
+                for w in self._workers
+            ),
             self.malformed_messages,
         )
 
