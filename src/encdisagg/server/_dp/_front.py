@@ -87,7 +87,8 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     :param settings: start/stop bounds, health probe bound, workers' event loop and log level.
     :param worker_command: the command that starts one worker, to which the front appends
         the worker's options (default: this interpreter running
-        ``encdisagg.server._dp._worker``). A wrapper (``taskset``, ``numactl``...) may precede it.
+        ``encdisagg.server._serve._worker``). A wrapper (``taskset``, ``numactl``...) may
+        precede it.
     """
 
     def __init__(
@@ -106,7 +107,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         self._worker_command = (
             list(worker_command)
             if worker_command is not None
-            else [sys.executable, "-m", "encdisagg.server._dp._worker"]
+            else [sys.executable, "-m", "encdisagg.server._serve._worker"]
         )
         self._workers: list[DpWorker] = []
         self._pending = PendingCalls()
