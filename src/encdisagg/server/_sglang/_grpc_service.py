@@ -3,8 +3,8 @@
 Each RPC turns its protobuf request into the body SGLang's HTTP language side would have
 posted, hands it to the server's event loop (see :mod:`._grpc_server`), and turns the answer back
 into the protobuf response. Errors map as SGLang's own gRPC encoder maps them: a
-:class:`~encdisagg.BadRequestError` is ``INVALID_ARGUMENT``, anything else ``INTERNAL``
-(but a refused destination, which SGLang has no such check for, is ``PERMISSION_DENIED``).
+:class:`~encdisagg.BadRequestError` is ``INVALID_ARGUMENT``, anything else ``INTERNAL``, but
+for what SGLang does not tell apart (the table is ``encdisagg._errors.WIRE_ANSWERS``).
 
 Everything here runs on the gRPC server's own asyncio loop; nothing of it touches the
 Encoder directly.
