@@ -1,4 +1,5 @@
-"""The source tree's shape: no import circles, and no folder too crowded to read.
+"""The source tree's shape: no import circles, among modules or among folders, and no folder
+too crowded to read.
 
 The graph is read from the source with :mod:`ast`, not by importing it: every ``import`` counts,
 at module level, inside functions and under ``TYPE_CHECKING``, since each one is an arrow a
@@ -23,10 +24,13 @@ KNOWN_CIRCLES: frozenset[tuple[str, ...]] = frozenset(
     {
         # The receiver's landing state reaches back into the receiver that owns it.
         ("encdisagg.receiver._pending", "encdisagg.receiver._receiver"),
-        # A held request names the queue's request type; the queue holds requests.
-        ("encdisagg.decode._held", "encdisagg.decode._transfer"),
     }
 )
+
+#: Circles among folders (each module collapsed to its folder at one depth) present before this
+#: rule was written, each as its sorted members. Tolerated until fixed; whoever breaks one
+#: deletes its line.
+KNOWN_FOLDER_CIRCLES: frozenset[tuple[str, ...]] = frozenset()
 
 #: Folders over :data:`MOST_FILES` before this rule was written, each with its count then:
 #: it may shrink, not grow. Whoever brings one to :data:`MOST_FILES` or below deletes its line.
@@ -154,6 +158,68 @@ def test_no_circle_in_the_server() -> None:
     circles = _circles(_graph())
     server = "encdisagg.server"
     assert not [circle for circle in circles if any(name.startswith(server) for name in circle)]
+
+
+def _prefix(module: str, depth: int) -> str:
+    return ".".join(module.split(".")[:depth])
+
+
+def _collapsed(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """``graph`` with each module named by its first ``depth`` dotted parts: a folder that deep
+    stands for everything beneath it."""
+    collapsed: dict[str, set[str]] = {}
+    for module, arrows in graph.items():
+        node = _prefix(module, depth)
+        targets = {_prefix(arrow, depth) for arrow in arrows}
+        collapsed.setdefault(node, set()).update(targets - {node})
+    return collapsed
+
+
+def _folder_circles(graph: dict[str, set[str]]) -> dict[tuple[str, ...], list[str]]:
+    """Each circle among folders, at every depth, with the module arrows that close it.
+
+    A circle of plain modules, no folder among them, is :func:`test_no_new_import_circle`'s.
+    """
+    folders = {module.rpartition(".")[0] for module in graph}
+    found: dict[tuple[str, ...], list[str]] = {}
+    for depth in range(2, max(module.count(".") for module in graph) + 2):
+        for circle in _circles(_collapsed(graph, depth)):
+            if folders.isdisjoint(circle):
+                continue
+            found[circle] = [
+                f"{module} -> {arrow}"
+                for module, arrows in sorted(graph.items())
+                for arrow in sorted(arrows)
+                if _prefix(module, depth) in circle
+                and _prefix(arrow, depth) in set(circle) - {_prefix(module, depth)}
+            ]
+    return found
+
+
+def test_folder_circles_are_found() -> None:
+    graph = {
+        "p.a.x": {"p.b.y"},
+        "p.b.y": set(),
+        "p.b.z": {"p.a.w"},
+        "p.a.w": set(),
+        "p.c": {"p.a.x"},
+        # Two plain modules in a circle: the module rule's, not this one's.
+        "p.d": {"p.e"},
+        "p.e": {"p.d"},
+    }
+    assert _folder_circles(graph) == {("p.a", "p.b"): ["p.a.x -> p.b.y", "p.b.z -> p.a.w"]}
+
+
+def test_no_circle_among_folders() -> None:
+    circles = _folder_circles(_graph())
+    new = {
+        circle: arrows for circle, arrows in circles.items() if circle not in KNOWN_FOLDER_CIRCLES
+    }
+    assert not new, "circles among folders, closed by: " + "; ".join(
+        f"{' <-> '.join(circle)} ({', '.join(arrows)})" for circle, arrows in sorted(new.items())
+    )
+    gone = sorted(KNOWN_FOLDER_CIRCLES - set(circles))
+    assert not gone, f"broken circles still listed in KNOWN_FOLDER_CIRCLES: {gone}"
 
 
 def test_no_folder_is_crowded() -> None:

@@ -11,6 +11,7 @@ import pytest
 import encdisagg
 from encdisagg import (
     BadRequestError,
+    ConfigError,
     EncdisaggError,
     EncoderConfig,
     InternalError,
@@ -19,8 +20,10 @@ from encdisagg import (
     RequestTimeoutError,
     ServiceUnavailableError,
     TransferError,
+    TransferTimeoutError,
 )
 from encdisagg._cli import main
+from encdisagg._errors import WIRE_ANSWERS, error_of_status, grpc_code_of
 
 
 def test_every_export_exists_and_claims_a_public_module() -> None:
@@ -57,6 +60,22 @@ def test_error_statuses(cls: type[EncdisaggError], status: int) -> None:
     assert isinstance(error, EncdisaggError)
     assert str(error) == "req_id 'x' is unknown"
     assert error.req_id == "x"
+
+
+def test_one_table_answers_each_error_on_every_wire() -> None:
+    for cls, (status, code) in WIRE_ANSWERS.items():
+        assert cls.status == status, cls
+        assert grpc_code_of(cls("m")) == code, cls
+    # An error answers as its nearest listed class; anything else is internal.
+    assert grpc_code_of(ConfigError("model is unknown")) == "INVALID_ARGUMENT"
+    assert grpc_code_of(TransferTimeoutError("m")) == "DEADLINE_EXCEEDED"
+    assert grpc_code_of(ValueError("m")) == "INTERNAL"
+    # The way back: the first class answering a status; internal for any other or none.
+    assert error_of_status(504) is RequestTimeoutError
+    assert error_of_status(502) is TransferError
+    assert error_of_status(500) is InternalError
+    assert error_of_status(418) is InternalError
+    assert error_of_status(None) is InternalError
 
 
 def test_config_defaults_match_the_contract() -> None:

@@ -142,7 +142,7 @@ def test_the_push_header_carries_an_optional_traceparent() -> None:
 
 def test_worker_calls_carry_the_callers_traceparent(exporter: InMemorySpanExporter) -> None:
     from encdisagg.server._dp._ipc import MalformedMessage, WorkMessage, pack
-    from encdisagg.server._dp._worker import _call_span
+    from encdisagg.server._serve._worker import _call_span
 
     untraced = WorkMessage(1, "encode", {"req_id": "r"})
     assert "traceparent" not in untraced.to_wire()

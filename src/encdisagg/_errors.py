@@ -1,18 +1,22 @@
 """The one error hierarchy of encdisagg.
 
-Every error carries ``status``: the HTTP status the server answers with. Messages name the
-offending field or request id, so a caller can act on them without reading a traceback.
+Every error carries ``status``: the HTTP status the server answers with, set by
+:data:`WIRE_ANSWERS`, the one table of what each error answers on every wire. Messages name
+the offending field or request id, so a caller can act on them without reading a traceback.
 Cancellation is never wrapped in these classes.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import ClassVar, Final
 
 __all__ = [
+    "WIRE_ANSWERS",
     "BadRequestError",
     "ConfigError",
     "EncdisaggError",
+    "ForbiddenError",
     "InternalError",
     "NotFoundError",
     "RequestNotActiveError",
@@ -20,6 +24,9 @@ __all__ = [
     "ServiceUnavailableError",
     "TransferError",
     "TransferTimeoutError",
+    "error_of_status",
+    "grpc_code_of",
+    "status_of",
 ]
 
 
@@ -52,8 +59,6 @@ def _rebuild_error(cls: type[EncdisaggError], message: str, req_id: str | None) 
 class BadRequestError(EncdisaggError):
     """Invalid fields, undecodable media, or input the preprocessor rejected (400)."""
 
-    status = 400
-
 
 class ConfigError(BadRequestError, ValueError):
     """An invalid configuration value (``EncoderConfig``, ``ServerSettings``, client options),
@@ -65,28 +70,24 @@ class ConfigError(BadRequestError, ValueError):
     """
 
 
+class ForbiddenError(EncdisaggError):
+    """A destination outside the server's configured allow-list (403)."""
+
+
 class NotFoundError(EncdisaggError):
     """An unknown ``req_id`` (404)."""
-
-    status = 404
 
 
 class RequestNotActiveError(EncdisaggError):
     """The request was released, is being released, or its id is live already (409)."""
 
-    status = 409
-
 
 class RequestTimeoutError(EncdisaggError):
     """A bounded wait ran out: registration, metadata, queue (504)."""
 
-    status = 504
-
 
 class TransferError(EncdisaggError):
     """The engine or a peer failed a transfer, registration or deregistration (502)."""
-
-    status = 502
 
 
 class TransferTimeoutError(TransferError):
@@ -100,8 +101,6 @@ class TransferTimeoutError(TransferError):
     where the error crossed a process boundary or the engine gives none.
     """
 
-    status = 504
-
     def __init__(self, message: str, *, req_id: str | None = None, hold: object = None) -> None:
         super().__init__(message, req_id=req_id)
         self.hold = hold
@@ -110,13 +109,34 @@ class TransferTimeoutError(TransferError):
 class ServiceUnavailableError(EncdisaggError):
     """Shutting down, over the staged-memory budget, or no live worker (503)."""
 
-    status = 503
-
 
 class InternalError(EncdisaggError):
     """encdisagg broke one of its own invariants (500)."""
 
-    status = 500
+
+#: What each error answers on the wire: its HTTP status (its class's ``status``), and the
+#: ``grpc.StatusCode``, by name, an RPC of SGLang's gRPC encoder service ends with. SGLang
+#: itself ends a bad request with INVALID_ARGUMENT and anything else with INTERNAL; the other
+#: codes tell apart what it does not: a refused destination, a transfer whose outcome is
+#: unknown (its bytes may still land), a server taking no new work (a client's retry policy
+#: may try another). An error answers as the nearest class of its own that is listed; the way
+#: back, from a status to an error, takes the first row answering that status.
+WIRE_ANSWERS: Final[Mapping[type[EncdisaggError], tuple[int, str]]] = {
+    BadRequestError: (400, "INVALID_ARGUMENT"),
+    ForbiddenError: (403, "PERMISSION_DENIED"),
+    NotFoundError: (404, "INTERNAL"),
+    RequestNotActiveError: (409, "INTERNAL"),
+    RequestTimeoutError: (504, "INTERNAL"),
+    TransferTimeoutError: (504, "DEADLINE_EXCEEDED"),
+    TransferError: (502, "INTERNAL"),
+    ServiceUnavailableError: (503, "UNAVAILABLE"),
+    InternalError: (500, "INTERNAL"),
+    EncdisaggError: (500, "INTERNAL"),
+}
+
+for _error, (_status, _) in WIRE_ANSWERS.items():
+    _error.status = _status
+del _error, _status
 
 
 def status_of(exc: BaseException) -> int:
@@ -124,3 +144,20 @@ def status_of(exc: BaseException) -> int:
     if isinstance(exc, EncdisaggError):
         return exc.status
     return 500
+
+
+def grpc_code_of(exc: BaseException) -> str:
+    """The name of the ``grpc.StatusCode`` an RPC that raised ``exc`` ends with. Not async."""
+    for cls in type(exc).__mro__:
+        if cls in WIRE_ANSWERS:
+            return WIRE_ANSWERS[cls][1]
+    return "INTERNAL"
+
+
+def error_of_status(status: int | None) -> type[EncdisaggError]:
+    """The error class an HTTP error status names (:class:`InternalError` for a status no
+    error of ours answers, or none). Not async."""
+    for cls, (answered, _) in WIRE_ANSWERS.items():
+        if answered == status:
+            return cls
+    return InternalError

@@ -15,7 +15,7 @@ from quart import Quart
 
 from encdisagg import __version__
 from encdisagg.server import DataParallelBackend, ServerSettings
-from encdisagg.server._dp._process_metrics import read_process_stats, worker_process_families
+from encdisagg.server._dp._process_metrics import read_process_stats
 from encdisagg.server._metrics import (
     MetricsSnapshot,
     ServerMetrics,
@@ -122,7 +122,13 @@ async def test_each_worker_process_is_reported_once_under_its_rank(tmp_path: Pat
     assert set(_samples(text, "encdisagg_dp_worker_cpu_seconds_total")) == set(memory)
     assert len(_samples(text, "process_cpu_seconds_total")) == 1, "the front alone"
     # A worker that is gone (or not started) is left out, not reported as zero.
-    assert list(worker_process_families([(0, None), (1, 2**31 - 1)]))[1].samples == []
+    assert read_process_stats(None) is None
+    assert read_process_stats(2**31 - 1) is None
+    metrics.update(ServiceSnapshot(MetricsSnapshot.merge(()), (WorkerStatus(0, False, 0),)))
+    text = metrics.render().decode()
+    assert 'encdisagg_dp_worker_up{rank="0"} 0.0' in text
+    assert not _samples(text, "encdisagg_dp_worker_resident_memory_bytes")
+    assert not _samples(text, "encdisagg_dp_worker_cpu_seconds_total")
 
 
 def _documented_families() -> set[str]:

@@ -55,10 +55,10 @@ from ._prealloc import (
     ResumePass as ResumePass,
     RetractedRequest as RetractedRequest,
 )
+from ._request import DecodeRequest as DecodeRequest
 from ._slots import MetadataRow as MetadataRow, MetadataSlotAllocator as MetadataSlotAllocator
 from ._transfer import (
     CommitStatus as CommitStatus,
-    DecodeRequest as DecodeRequest,
     DecodeTransferQueue as DecodeTransferQueue,
     KVSink as KVSink,
 )

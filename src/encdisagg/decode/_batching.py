@@ -32,7 +32,8 @@ from typing import Protocol
 from .._errors import InternalError
 from ._pages import PageSource
 from ._prealloc import DecodePreallocQueue, RetractedRequest
-from ._transfer import DecodeRequest, DecodeTransferQueue
+from ._request import DecodeRequest
+from ._transfer import DecodeTransferQueue
 
 __all__ = [
     "DecodeBatch",

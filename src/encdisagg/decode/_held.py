@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..transfer import Hold
-
-if TYPE_CHECKING:
-    from ._transfer import DecodeRequest
+from ._request import DecodeRequest
 
 __all__ = ["DeferredResolution", "HeldRelease", "hold_for", "log_retired", "log_reused"]
 

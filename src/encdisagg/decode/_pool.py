@@ -19,8 +19,9 @@ import torch
 from .._errors import InternalError, TransferError
 from ..transfer import Hold, MemoryRegistration, MemoryRegistrationState
 from ._pages import PageAllocator
+from ._request import DecodeRequest
 from ._slots import MetadataRow
-from ._transfer import CommitStatus, DecodeRequest, KVSink
+from ._transfer import CommitStatus, KVSink
 
 if TYPE_CHECKING:
     from ..transfer import TransferEngine

@@ -12,8 +12,9 @@ from typing import NamedTuple
 from .._errors import BadRequestError
 from ._pages import PageSource
 from ._poll import KVPoll
+from ._request import DecodeRequest
 from ._slots import MetadataSlotAllocator
-from ._transfer import DecodeRequest, _as_set
+from ._transfer import _as_set
 
 __all__ = [
     "DecodePreallocQueue",

@@ -12,19 +12,18 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from .._errors import InternalError
 from ..transfer import HeldLedger, Hold, HoldPolicy
 from ._acks import AbortAckTracker
 from ._held import DeferredResolution, HeldRelease, hold_for, log_retired, log_reused
 from ._poll import KVPoll
-from ._slots import MetadataRow, MetadataSlotAllocator
+from ._request import DecodeRequest
+from ._slots import MetadataSlotAllocator
 
 __all__ = [
     "CommitStatus",
-    "DecodeRequest",
     "DecodeTransferQueue",
     "KVSink",
 ]
@@ -41,35 +40,6 @@ class CommitStatus(enum.Enum):
     NOT_READY = "not_ready"
     #: The metadata row belongs to another request or fails its checksum: abort.
     CORRUPT = "corrupt"
-
-
-@dataclass(eq=False, slots=True)
-class DecodeRequest:
-    """One request on the decode side, from preallocation until its KV is committed or freed.
-
-    Mutable and compared by identity: two requests with the same ``rid`` are still two.
-    """
-
-    rid: str
-    #: The bootstrap room: the handle the prefill ranks know this request by.
-    room: int
-    #: The metadata slot the prefill side writes into; ``None`` once it has been freed.
-    metadata_slot: int | None
-    #: How many prefill ranks write into this request's pages, so how many drained-acks
-    #: an abort must collect before the pages are safe to reuse.
-    required_acks: int
-    #: The :class:`AbortAckTracker` generation of the abort sent for this request, if any.
-    generation: int | None = None
-    #: True once an abort was sent to the prefill ranks (their drained-acks will follow).
-    abort_notified: bool = False
-    #: The KV pages preallocated for this request (for sinks that free pages by index).
-    pages: tuple[int, ...] = ()
-    #: The metadata row a sink read when it committed the request.
-    metadata: MetadataRow | None = None
-    #: A speculative draft state that a sink found in the metadata slot at commit (views into
-    #: the slot's memory, not copies). While it is set the request keeps its slot: the first
-    #: real decode step reads it, and only then may the slot be freed and written again.
-    draft: Any = None
 
 
 class KVSink(Protocol):

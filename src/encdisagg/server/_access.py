@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Self
 
-from .._errors import BadRequestError, EncdisaggError
+from .._errors import BadRequestError, ForbiddenError
 from ._fields import MAX_TEXT_CHARS, split_host_port
 from ._json import shown
 
@@ -31,12 +31,6 @@ __all__ = ["ApiKey", "ForbiddenError", "PeerAllowList", "is_loopback_host"]
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LOOPBACK_NAMES: Final = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
-
-
-class ForbiddenError(EncdisaggError):
-    """A destination outside the configured allow-list (403)."""
-
-    status = 403
 
 
 def _address(host: str) -> _Address | None:

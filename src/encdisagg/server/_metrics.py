@@ -32,12 +32,12 @@ from prometheus_client.core import (
 from .._errors import BadRequestError
 from .._version import __version__
 from ..encoder import Encoder, EncoderEvents
-from ._dp._process_metrics import worker_process_families
 
 __all__ = [
     "LATENCY_BUCKETS",
     "EncoderMetrics",
     "MetricsSnapshot",
+    "ProcessStats",
     "ServerMetrics",
     "ServiceSnapshot",
     "WorkerStatus",
@@ -296,16 +296,27 @@ def _counts(value: object, name: str, known: Mapping[str, str]) -> dict[str, int
 
 
 @dataclass(frozen=True, slots=True)
+class ProcessStats:
+    """What ``/proc/PID/stat`` says of one process."""
+
+    cpu_seconds: float
+    resident_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """One data-parallel worker, as the front sees it."""
 
     rank: int
     alive: bool
     pending: int
-    #: Its process id, once started (its CPU and memory are read from it).
+    #: Its process id, once started.
     pid: int | None = None
     #: How often the front started this rank's process again after it died.
     restarts: int = 0
+    #: Its process's CPU time and memory, read by the front for a scrape; ``None`` when
+    #: unread or unreadable (not started, gone, no Linux): then it is left out, not zero.
+    process: ProcessStats | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,7 +376,7 @@ class ServerMetrics:
     def _families(self) -> Iterator[Metric]:
         latest = self._latest
         snapshot = latest.encoder
-        yield from self._service_families(latest)
+        yield from self._service_families()
         http = CounterMetricFamily(
             "encdisagg_http_requests",
             "HTTP requests answered by the encoder routes.",
@@ -409,13 +420,27 @@ class ServerMetrics:
                 "Times the front started the data-parallel worker again after it died.",
                 labels=["rank"],
             )
+            # Each process is counted once: the front's by ProcessCollector (process_*), a
+            # worker's here under its rank.
+            cpu = CounterMetricFamily(
+                "encdisagg_dp_worker_cpu_seconds",
+                "User and system CPU time of the data-parallel worker's process.",
+                labels=["rank"],
+            )
+            memory = GaugeMetricFamily(
+                "encdisagg_dp_worker_resident_memory_bytes",
+                "Resident memory of the data-parallel worker's process.",
+                labels=["rank"],
+            )
             for worker in latest.workers:
-                alive.add_metric([str(worker.rank)], 1 if worker.alive else 0)
-                pending.add_metric([str(worker.rank)], worker.pending)
-                restarts.add_metric([str(worker.rank)], worker.restarts)
-            yield alive
-            yield pending
-            yield restarts
+                rank = [str(worker.rank)]
+                alive.add_metric(rank, 1 if worker.alive else 0)
+                pending.add_metric(rank, worker.pending)
+                restarts.add_metric(rank, worker.restarts)
+                if worker.process is not None:
+                    cpu.add_metric(rank, worker.process.cpu_seconds)
+                    memory.add_metric(rank, worker.process.resident_bytes)
+            yield from (alive, pending, restarts, cpu, memory)
         if latest.malformed_messages is not None:
             yield CounterMetricFamily(
                 "encdisagg_dp_malformed_messages",
@@ -423,8 +448,8 @@ class ServerMetrics:
                 value=latest.malformed_messages,
             )
 
-    def _service_families(self, latest: ServiceSnapshot) -> Iterator[Metric]:
-        """The build info, the HTTP latency by route and status, and the workers' processes."""
+    def _service_families(self) -> Iterator[Metric]:
+        """The build info and the HTTP latency by route and status."""
         try:
             loop = sniffio.current_async_library()
         except sniffio.AsyncLibraryNotFoundError:
@@ -442,8 +467,6 @@ class ServerMetrics:
         for (route, status), hist in sorted(self._http_latency.items()):
             latency.add_metric([route, status], _buckets(hist), hist.total)
         yield latency
-        if latest.workers:
-            yield from worker_process_families((w.rank, w.pid) for w in latest.workers)
 
 
 def _buckets(hist: _Histogram) -> list[tuple[str, float]]:

@@ -1,16 +1,48 @@
-"""How the server around the Encoder behaves: data parallelism, limits, probe bounds."""
+"""How the server around the Encoder behaves: data parallelism, limits, probe bounds.
+
+The ``vllm_*`` settings of ``--wire vllm`` are checked here too, without importing torch, so
+the command line refuses a bad one before the model loads.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Final
 
 from .._devices import check_device
 from .._errors import ConfigError
 from ..registry import parse_registry_url
 from ._access import ApiKey, PeerAllowList
-from ._vllm._options import check_vllm_settings
 
-__all__ = ["ServerSettings"]
+__all__ = ["ServerSettings", "canonical_dtype"]
+
+#: vLLM's EC connectors this server produces for: shared storage, and the Mooncake push.
+_VLLM_CONNECTORS: Final = ("example", "mooncake")
+
+#: Each accepted dtype spelling -> its ``torch`` attribute name (what vLLM's ``reserve`` and
+#: safetensors' header name).
+_CANONICAL: Final = {
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+
+def canonical_dtype(name: str) -> str:
+    """``name`` (any accepted spelling, ``torch.`` prefix allowed) as a torch attribute
+    name: ``"bf16"`` -> ``"bfloat16"``. Not async.
+
+    :raises ConfigError: for a name that is no floating dtype this server writes.
+    """
+    key = name.strip().lower().removeprefix("torch.")
+    if key not in _CANONICAL:
+        raise ConfigError(f"vllm_dtype must be one of {', '.join(_CANONICAL)}; got {name!r}")
+    return _CANONICAL[key]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,7 +198,7 @@ class ServerSettings:
             raise ConfigError("grpc_host must be a non-empty host name or address")
         if self.wire not in ("encdisagg", "sglang", "vllm"):
             raise ConfigError(f"wire must be encdisagg, sglang or vllm; got {self.wire!r}")
-        check_vllm_settings(self)
+        self._check_vllm()
         for name in ("register_with", "advertise_url"):
             url: object = getattr(self, name)
             if url is not None and (
@@ -178,3 +210,26 @@ class ServerSettings:
         limit: object = self.worker_restart_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ConfigError(f"worker_restart_limit must be an integer >= 0; got {limit!r}")
+
+    def _check_vllm(self) -> None:
+        # The vllm_* values; their *_s bounds are checked with the other settings'.
+        if self.vllm_connector not in _VLLM_CONNECTORS:
+            raise ConfigError(
+                f"vllm_connector must be one of {', '.join(_VLLM_CONNECTORS)}; "
+                f"got {self.vllm_connector!r}"
+            )
+        path: object = self.vllm_storage_path
+        if path is not None and (not isinstance(path, str) or not path.strip()):
+            raise ConfigError(f"vllm_storage_path must be a folder; got {path!r}")
+        budget: object = self.vllm_store_max_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ConfigError(f"vllm_store_max_bytes must be an integer >= 1; got {budget!r}")
+        if self.vllm_dtype is not None:
+            if not isinstance(self.vllm_dtype, str):
+                raise ConfigError(f"vllm_dtype must be a dtype name; got {self.vllm_dtype!r}")
+            canonical_dtype(self.vllm_dtype)
+        if self.wire == "vllm" and self.vllm_connector == "example" and path is None:
+            raise ConfigError(
+                "vllm_storage_path is needed with vllm_connector='example': the folder the PD's "
+                "ECExampleConnector reads (its shared_storage_path)"
+            )

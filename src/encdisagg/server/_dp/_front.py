@@ -50,6 +50,7 @@ from .._settings import ServerSettings
 from ._calls import PendingCalls
 from ._dispatch import Router
 from ._ipc import IpcSocket, MalformedMessage, ReplyMessage
+from ._process_metrics import read_process_stats
 from ._workers import DpWorker, WorkerSupervisor
 
 __all__ = ["DataParallelBackend"]
@@ -86,7 +87,8 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     :param settings: start/stop bounds, health probe bound, workers' event loop and log level.
     :param worker_command: the command that starts one worker, to which the front appends
         the worker's options (default: this interpreter running
-        ``encdisagg.server._dp._worker``). A wrapper (``taskset``, ``numactl``...) may precede it.
+        ``encdisagg.server._serve._worker``). A wrapper (``taskset``, ``numactl``...) may
+        precede it.
     """
 
     def __init__(
@@ -105,7 +107,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         self._worker_command = (
             list(worker_command)
             if worker_command is not None
-            else [sys.executable, "-m", "encdisagg.server._dp._worker"]
+            else [sys.executable, "-m", "encdisagg.server._serve._worker"]
         )
         self._workers: list[DpWorker] = []
         self._pending = PendingCalls()
@@ -389,7 +391,8 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         return HealthReport(True, probed)
 
     async def snapshot(self) -> ServiceSnapshot:
-        """Every live worker's metrics, summed, plus the workers' state. A checkpoint."""
+        """Every live worker's metrics, summed, plus the workers' state and processes' CPU and
+        memory. A checkpoint."""
         outcomes = await self._broadcast("stats", _STATS_TIMEOUT_S)
         snapshots = []
         for rank, outcome in outcomes.items():
@@ -403,7 +406,10 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                 _log.warning("worker %s sent malformed metrics: %s", rank, exc.message)
         return ServiceSnapshot(
             MetricsSnapshot.merge(snapshots),
-            tuple(WorkerStatus(w.rank, w.alive, w.load, w.pid, w.restarts) for w in self._workers),
+            tuple(
+                WorkerStatus(w.rank, w.alive, w.load, w.pid, w.restarts, read_process_stats(w.pid))
+                for w in self._workers
+            ),
             self.malformed_messages,
         )
 

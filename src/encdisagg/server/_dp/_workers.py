@@ -1,6 +1,6 @@
 """Data parallel: supervising the worker processes (start, readiness, exit, stop).
 
-Workers are spawned as ``python -m encdisagg.server._dp._worker`` (a fresh interpreter: no
+Workers are spawned as ``python -m encdisagg.server._serve._worker`` (a fresh interpreter: no
 inherited event loop, threads or CUDA state, and no pickle on the way in; the Encoder config
 travels as a JSON file). They are started before the service is reported up and stopped on
 exit: a ``stop`` message, then SIGTERM, then SIGKILL, each step bounded. A worker that dies

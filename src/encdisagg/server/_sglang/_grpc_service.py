@@ -3,8 +3,8 @@
 Each RPC turns its protobuf request into the body SGLang's HTTP language side would have
 posted, hands it to the server's event loop (see :mod:`._grpc_server`), and turns the answer back
 into the protobuf response. Errors map as SGLang's own gRPC encoder maps them: a
-:class:`~encdisagg.BadRequestError` is ``INVALID_ARGUMENT``, anything else ``INTERNAL``
-(but a refused destination, which SGLang has no such check for, is ``PERMISSION_DENIED``).
+:class:`~encdisagg.BadRequestError` is ``INVALID_ARGUMENT``, anything else ``INTERNAL``, but
+for what SGLang does not tell apart (the table is ``encdisagg._errors.WIRE_ANSWERS``).
 
 Everything here runs on the gRPC server's own asyncio loop; nothing of it touches the
 Encoder directly.
@@ -19,13 +19,8 @@ from typing import Any, Final, Protocol
 import grpc
 from smg_grpc_proto.generated import sglang_encoder_pb2 as pb
 
-from ..._errors import (
-    BadRequestError,
-    EncdisaggError,
-    ServiceUnavailableError,
-    TransferTimeoutError,
-)
-from .._access import ApiKey, ForbiddenError
+from ..._errors import EncdisaggError, grpc_code_of
+from .._access import ApiKey
 from .._json import public_message
 
 __all__ = [
@@ -148,25 +143,12 @@ def _public(message: str) -> str:
 def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status code and details an RPC that raised ``exc`` ends with. Not async.
 
-    SGLang's mapping: a bad request (400) is ``INVALID_ARGUMENT``, everything else
-    ``INTERNAL``; an unexpected exception's text is logged, never answered. A server that
-    takes no new work (503: draining, no live worker) is ``UNAVAILABLE``. A destination
-    outside ``allowed_peers`` (403, which SGLang does not have) is ``PERMISSION_DENIED``; a
-    transfer whose outcome is unknown (504, which SGLang 0.5.20 does not tell apart) is
-    ``DEADLINE_EXCEEDED``.
+    The codes are :data:`encdisagg._errors.WIRE_ANSWERS`' (SGLang's, and what it does not
+    tell apart); an unexpected exception is ``INTERNAL`` and its text is logged, never
+    answered.
     """
-    if isinstance(exc, BadRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, _public(exc.message)
-    if isinstance(exc, ForbiddenError):
-        return grpc.StatusCode.PERMISSION_DENIED, _public(exc.message)
-    if isinstance(exc, ServiceUnavailableError):
-        # Draining or no live worker: the client's gRPC retry policy may try elsewhere.
-        return grpc.StatusCode.UNAVAILABLE, _public(exc.message)
-    if isinstance(exc, TransferTimeoutError):
-        # A delivery whose outcome is unknown is not a failed one: the bytes may still land.
-        return grpc.StatusCode.DEADLINE_EXCEEDED, _public(exc.message)
     if isinstance(exc, EncdisaggError):
-        return grpc.StatusCode.INTERNAL, _public(exc.message)
+        return grpc.StatusCode[grpc_code_of(exc)], _public(exc.message)
     return grpc.StatusCode.INTERNAL, "internal server error"
 
 

@@ -5,5 +5,6 @@ encodes them, hands the embeddings to the PD the way its EC connector reads them
 beneath a shared folder, or a Mooncake push into the PD's reserved buffers) and answers the
 placeholder metadata the proxy forwards. See docs/vllm.md.
 
-Nothing is imported here: the settings' checks (``_options``) load before torch does.
+Nothing is imported here: the wire loads torch; the ``vllm_*`` settings are checked in
+``server._settings`` before it does.
 """

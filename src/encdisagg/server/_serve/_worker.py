@@ -1,7 +1,7 @@
 """A data-parallel worker process: one Encoder, driven over ZMQ IPC by the front.
 
-Started by the front as ``python -m encdisagg.server._dp._worker ...`` (see ``_front``); not meant
-to be run by hand. Ownership::
+Started by the front as ``python -m encdisagg.server._serve._worker ...`` (see ``_dp._front``);
+not meant to be run by hand. Ownership::
 
     worker main                    anyio.run
      └─ LocalBackend               opens the Encoder; closing it drains and releases
@@ -35,6 +35,13 @@ from ... import _tracing
 from ..._config import EncoderConfig
 from ..._errors import EncdisaggError, InternalError
 from .._backend import LocalBackend
+from .._dp._ipc import (
+    ControlMessage,
+    IpcSocket,
+    MalformedMessage,
+    ReplyMessage,
+    WorkMessage,
+)
 from .._logs import configure_logging
 from .._messages import (
     EncodeBody,
@@ -44,15 +51,8 @@ from .._messages import (
     SendBody,
     result_to_wire,
 )
-from .._serve._noise import quiet_third_party
-from .._serve._startup import describe_startup_failure
-from ._ipc import (
-    ControlMessage,
-    IpcSocket,
-    MalformedMessage,
-    ReplyMessage,
-    WorkMessage,
-)
+from ._noise import quiet_third_party
+from ._startup import describe_startup_failure
 
 __all__ = ["main"]
 
