@@ -25,9 +25,9 @@ from ._grids import (
     qwen3_audio_output_length as qwen3_audio_output_length,
     select_grid as select_grid,
 )
-from ._kimi import KimiVisionModel as KimiVisionModel
+from ._families._kimi import KimiVisionModel as KimiVisionModel
 from ._loading import BUILTIN_MODELS as BUILTIN_MODELS, load_model as load_model
-from ._media import (
+from ._media._decode import (
     DEFAULT_MAX_MEDIA_BYTES as DEFAULT_MAX_MEDIA_BYTES,
     MediaPolicy as MediaPolicy,
     load_image as load_image,
@@ -40,10 +40,10 @@ from ._protocol import (
     VisionModel as VisionModel,
     split_embedding as split_embedding,
 )
-from ._qwen import QwenVisionModel as QwenVisionModel
-from ._qwen3_vl import Qwen3VisionModel as Qwen3VisionModel
-from ._qwen_audio import QwenAudioModel as QwenAudioModel
-from ._tiny import (
+from ._families._qwen import QwenVisionModel as QwenVisionModel
+from ._families._qwen3_vl import Qwen3VisionModel as Qwen3VisionModel
+from ._families._qwen_audio import QwenAudioModel as QwenAudioModel
+from ._tiny._qwen_vl import (
     TINY_SEED as TINY_SEED,
     TINY_TEXT_HIDDEN_SIZE as TINY_TEXT_HIDDEN_SIZE,
     build_tiny_qwen2_5_vl as build_tiny_qwen2_5_vl,
@@ -51,7 +51,7 @@ from ._tiny import (
     tiny_qwen2_5_vl_config as tiny_qwen2_5_vl_config,
     tiny_qwen2_vl_config as tiny_qwen2_vl_config,
 )
-from ._tiny_qwen3_vl import (
+from ._tiny._qwen3_vl import (
     build_tiny_qwen3_vl as build_tiny_qwen3_vl,
     qwen3_vl_image_processor as qwen3_vl_image_processor,
     tiny_qwen3_vl_config as tiny_qwen3_vl_config,

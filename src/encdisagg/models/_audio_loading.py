@@ -42,9 +42,9 @@ from ._checkpoint import (
     refuse_missing,
     require_preprocessor,
 )
-from ._media_policy import MediaPolicy
-from ._qwen_audio import QwenAudioModel
-from ._tiny_audio import (
+from ._media._policy import MediaPolicy
+from ._families._qwen_audio import QwenAudioModel
+from ._tiny._audio import (
     build_tiny_qwen2_5_omni_thinker,
     build_tiny_qwen2_audio,
     tiny_audio_feature_extractor,

@@ -18,10 +18,10 @@ from ._checkpoint import (
     refuse_missing,
     require_preprocessor,
 )
-from ._kimi import KimiK25VisionEncoder, KimiVisionModel
-from ._kimi_processor import Kimi_K25ImageProcessorPil
-from ._media import MediaPolicy
-from ._tiny_kimi import build_tiny_kimi_k25
+from ._families._kimi import KimiK25VisionEncoder, KimiVisionModel
+from ._families._kimi_processor import Kimi_K25ImageProcessorPil
+from ._media._decode import MediaPolicy
+from ._tiny._kimi import build_tiny_kimi_k25
 
 __all__ = ["KIMI_BUILTIN_MODELS", "is_kimi_checkpoint", "load_kimi"]
 

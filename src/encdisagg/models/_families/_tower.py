@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import torch
 
-from .._errors import BadRequestError, InternalError
-from .._modality import Modality
-from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
-from ._media_policy import item_label
-from ._protocol import Preprocessed, split_embedding
+from ..._errors import BadRequestError, InternalError
+from ..._modality import Modality
+from .._media._limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
+from .._media._policy import item_label
+from .._protocol import Preprocessed, split_embedding
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import BadRequestError
-from .._modality import Modality
-from .._video_timing import VideoTiming, video_timing
-from ._grids import grid_tokens
-from ._media import MediaPolicy, item_label, load_image, load_video
-from ._media_limits import MediaLimits, ResizeRule
-from ._protocol import Preprocessed
+from ..._errors import BadRequestError
+from ..._modality import Modality
+from ..._video_timing import VideoTiming, video_timing
+from .._grids import grid_tokens
+from .._media._decode import MediaPolicy, item_label, load_image, load_video
+from .._media._limits import MediaLimits, ResizeRule
+from .._protocol import Preprocessed
 from ._qwen_video import GRID_THW, PIXEL_VALUES
 from ._tower import (
     PerThread,
@@ -29,7 +29,7 @@ from ._tower import (
     pixel_budget,
     pixels_key,
 )
-from ._video_items import video_source
+from .._media._video_items import video_source
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Final, final
 import torch
 from transformers import Qwen2VLImageProcessorPil
 
-from .._errors import BadRequestError
+from ..._errors import BadRequestError
 from ._fast_pixels import fast_pixels
-from ._media import MediaPolicy, item_label
-from ._media_limits import MediaLimits, ResizeRule
-from ._protocol import Preprocessed
+from .._media._policy import MediaPolicy, item_label
+from .._media._limits import MediaLimits, ResizeRule
+from .._protocol import Preprocessed
 from ._qwen_tower import QwenTower
 from ._qwen_video import (
     GRID_THW,

@@ -29,12 +29,12 @@ from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as _video_resize
 
-from .._errors import BadRequestError, InternalError
-from ..transfer import EmbeddingLayout, deepstack_layout
+from ..._errors import BadRequestError, InternalError
+from ...transfer import EmbeddingLayout, deepstack_layout
 from ._fast_pixels import fast_pixels
-from ._media import MediaPolicy, item_label
-from ._media_limits import MediaLimits, ResizeRule
-from ._protocol import Preprocessed
+from .._media._policy import MediaPolicy, item_label
+from .._media._limits import MediaLimits, ResizeRule
+from .._protocol import Preprocessed
 from ._qwen_tower import QwenTower
 from ._qwen_video import (
     GRID_THW,

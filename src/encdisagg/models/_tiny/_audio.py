@@ -26,7 +26,7 @@ from transformers.models.qwen2_5_omni import (
     Qwen2_5OmniThinkerForConditionalGeneration,
 )
 
-from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
+from ._qwen_vl import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
 
 __all__ = [
     "TINY_AUDIO_TOKEN_ID",

@@ -28,13 +28,13 @@ import torch
 from transformers import PreTrainedModel, WhisperFeatureExtractor
 from transformers.masking_utils import create_bidirectional_mask
 
-from .._errors import BadRequestError, InternalError
-from .._modality import Modality
-from ._audio_media import AudioBudget, AudioRules, load_audio
-from ._grids import audio_output_length
-from ._media_limits import MediaLimits
-from ._media_policy import MediaPolicy, item_label
-from ._protocol import Preprocessed
+from ..._errors import BadRequestError, InternalError
+from ..._modality import Modality
+from .._media._audio import AudioBudget, AudioRules, load_audio
+from .._grids import audio_output_length
+from .._media._limits import MediaLimits
+from .._media._policy import MediaPolicy, item_label
+from .._protocol import Preprocessed
 from ._tower import (
     PerThread,
     TowerModel,

@@ -24,14 +24,14 @@ from transformers.models.kimi_k25.modeling_kimi_k25 import (
     Kimi_K25VisionModel,
 )
 
-from .._errors import BadRequestError, InternalError
-from .._modality import Modality
+from ..._errors import BadRequestError, InternalError
+from ..._modality import Modality
 from ._fast_pixels import FastPixels, fast_pixels
-from ._grids import kimi_grid_tokens
+from .._grids import kimi_grid_tokens
 from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule, navit_size
-from ._media import MediaPolicy, load_image
-from ._media_limits import MediaLimits
-from ._protocol import Preprocessed
+from .._media._decode import MediaPolicy, load_image
+from .._media._limits import MediaLimits
+from .._protocol import Preprocessed
 from ._tower import (
     PROVENANCE_KEYS,
     PerThread,

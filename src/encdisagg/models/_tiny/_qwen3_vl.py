@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
+from ._qwen_vl import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
 
 __all__ = [
     "QWEN3_VL_IMAGE_PROCESSOR",

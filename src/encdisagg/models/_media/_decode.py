@@ -16,10 +16,10 @@ import re
 
 from PIL import Image, UnidentifiedImageError
 
-from .._errors import BadRequestError
-from ._media_bytes import item_bytes
-from ._media_limits import PixelBudget
-from ._media_policy import (
+from ..._errors import BadRequestError
+from ._bytes import item_bytes
+from ._limits import PixelBudget
+from ._policy import (
     DEFAULT_MAX_MEDIA_BYTES,
     DEFAULT_MAX_VIDEO_FRAMES,
     VIDEO_FILE_FPS,
