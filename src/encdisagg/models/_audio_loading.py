@@ -42,8 +42,8 @@ from ._checkpoint import (
     refuse_missing,
     require_preprocessor,
 )
-from ._media._policy import MediaPolicy
 from ._families._qwen_audio import QwenAudioModel
+from ._media._policy import MediaPolicy
 from ._tiny._audio import (
     build_tiny_qwen2_5_omni_thinker,
     build_tiny_qwen2_audio,

@@ -35,13 +35,13 @@ from ._checkpoint import (
 )
 from ._families._fast_pixels import check_mode
 from ._families._kimi import KimiVisionModel
-from ._media._decode import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
 from ._families._qwen import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, QwenVisionModel
 from ._families._qwen3_vl import QWEN3_VIDEO_MAX_PIXELS, QWEN3_VIDEO_MIN_PIXELS, Qwen3VisionModel
 from ._families._qwen_audio import QwenAudioModel
 from ._families._qwen_video import VIDEO_CONFIG_NAME
-from ._tiny._qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
+from ._media._decode import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
 from ._tiny._qwen3_vl import build_tiny_qwen3_vl, qwen3_vl_image_processor
+from ._tiny._qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
 
 __all__ = ["BUILTIN_MODELS", "load_model", "parse_dtype"]
 

@@ -20,44 +20,21 @@ frames are paired along the temporal axis (the last one repeated to fill the fin
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
 
 import torch
-from PIL import Image
-from transformers import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as _video_resize
 
 from ..._errors import BadRequestError, InternalError
 from ...transfer import EmbeddingLayout, deepstack_layout
-from ._fast_pixels import fast_pixels
-from .._media._policy import MediaPolicy, item_label
 from .._media._limits import MediaLimits, ResizeRule
-from .._protocol import Preprocessed
+from .._media._policy import MediaPolicy, item_label
 from ._qwen_tower import QwenTower
-from ._qwen_video import (
-    GRID_THW,
-    PIXEL_VALUES,
-    VIDEO_CONFIG_NAME,
-    check_frame_sizes,
-    check_shared_settings,
-    fast_clip,
-    paired_frames,
-)
-from ._tower import (
-    PerThread,
-    architecture_json,
-    empty_embedding,
-    gather_features,
-    identity_digest,
-    owned_pieces,
-    settings_json,
-    state_digest,
-)
+from ._qwen_video import check_frame_sizes, fast_clip, paired_frames
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from PIL import Image
+    from transformers import PreTrainedModel, Qwen2VLImageProcessorPil
 
 __all__ = ["QWEN3_VIDEO_MAX_PIXELS", "QWEN3_VIDEO_MIN_PIXELS", "Qwen3VisionModel"]
 
@@ -65,7 +42,6 @@ __all__ = ["QWEN3_VIDEO_MAX_PIXELS", "QWEN3_VIDEO_MIN_PIXELS", "Qwen3VisionModel
 #: width) after resizing lie between these (32 = patch 16 x merge 2).
 QWEN3_VIDEO_MIN_PIXELS: Final = 128 * 32 * 32
 QWEN3_VIDEO_MAX_PIXELS: Final = 768 * 32 * 32
-SUPPORTED_VISION_TYPES: Final = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
 
 
 @final
@@ -87,6 +63,9 @@ class Qwen3VisionModel(QwenTower):
         ``preprocess`` for another mode.
     """
 
+    _SUPPORTED = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
+    _VIDEO_PROCESSOR = "Qwen3VLVideoProcessor"
+
     def __init__(
         self,
         tower: PreTrainedModel,
@@ -99,57 +78,28 @@ class Qwen3VisionModel(QwenTower):
         limits: MediaLimits | None = None,
         preprocess: str = "fast",
     ) -> None:
+        super().__init__(
+            tower,
+            image_processor,
+            name=name,
+            media=media,
+            video_pixels=(video_min_pixels, video_max_pixels),
+            limits=limits,
+            preprocess=preprocess,
+        )
         config: Any = tower.config
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_VISION_TYPES:
-            raise BadRequestError(
-                f"model: {name!r} is a {model_type!r} model; supported vision towers are "
-                f"{', '.join(SUPPORTED_VISION_TYPES)}"
-            )
-        check_shared_settings(image_processor, config, name)
-        module: torch.nn.Module = tower
-        module.train(False)
-        self._tower = tower
-        self._weights = tower
-        self._name = name
-        self._model_type: str = model_type
         self._token_width = int(config.out_hidden_size)
         self._layout = deepstack_layout(self._token_width, len(config.deepstack_visual_indexes))
-        self._media = media or MediaPolicy()
-        self._limits = limits or MediaLimits()
-        self._processor_config: dict[str, Any] = image_processor.to_dict()
-        self._merge_size = int(image_processor.merge_size)
-        self._patch_size = int(image_processor.patch_size)
-        self._temporal = int(image_processor.temporal_patch_size)
-        self._video_pixels = (video_min_pixels, video_max_pixels)
-        factor = self._patch_size * self._merge_size
-        size = image_processor.size
-        self._image_rule = ResizeRule(factor, int(size["shortest_edge"]), int(size["longest_edge"]))
+        self._hidden_size = self._layout.width
         # The budget prices each frame before the clip's length is known; the frames of the
         # shortest clip (one temporal patch) share the clip's pixels, so no frame gets more.
+        square = self._factor * self._factor
         self._video_rule = ResizeRule(
-            factor, factor * factor, max(factor * factor, video_max_pixels // self._temporal)
-        )
-        processor_config = dict(self._processor_config)
-        self._processors = PerThread(
-            image_processor, lambda: Qwen2VLImageProcessorPil.from_dict(dict(processor_config))
-        )
-        self._pixels = fast_pixels(image_processor, preprocess)
-        self._identity = identity_digest(
-            model_type,
-            self.preprocess_mode,  # the paths' pixel values differ slightly
-            architecture_json(config.to_dict()),
-            settings_json(self._processor_config),
-            json.dumps(self._video_pixels),
-            state_digest(tower),
+            self._factor, square, max(square, video_max_pixels // self._temporal)
         )
 
-    # --- identity and shape -------------------------------------------------------------
-
-    @property
-    def hidden_size(self) -> int:
-        """Width of the joint embedding: ``out_hidden_size * (1 + deepstack layers)``."""
-        return self._layout.width
+    def _video_identity(self) -> str:
+        return json.dumps(self._video_pixels)
 
     @property
     def token_width(self) -> int:
@@ -173,8 +123,6 @@ class Qwen3VisionModel(QwenTower):
             f"dtype={self.dtype}, device={self.device})"
         )
 
-    # --- preprocessing ------------------------------------------------------------------
-
     def video_frame_size(self, frames: int, height: int, width: int) -> tuple[int, int]:
         """``(height, width)`` every frame of a ``frames``-frame clip is resized to: the rule of
         ``Qwen3VLVideoProcessor`` (its pixel budget covers the whole clip). Does not block.
@@ -190,7 +138,7 @@ class Qwen3VisionModel(QwenTower):
             height,
             width,
             temporal_factor=self._temporal,
-            factor=self._patch_size * self._merge_size,
+            factor=self._factor,
             min_pixels=low,
             max_pixels=high,
         )
@@ -214,56 +162,15 @@ class Qwen3VisionModel(QwenTower):
         )
         return values, grid, None
 
-    # --- forward ------------------------------------------------------------------------
-
-    def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
-        """Encode a batch in one fused tower call; one ``[tokens, hidden_size]`` tensor per
-        element (the main embedding, then each deepstack map: :attr:`embedding_layout`), on
-        :attr:`device` in :attr:`dtype`. Blocks on the tower's compute.
-
-        :raises InternalError: if an element lacks this model's features, or the tower
-            produced other token counts or widths than expected.
-        """
-        if not batch:
-            return []
-        totals, pixel_values, grids = gather_features(batch, (PIXEL_VALUES, GRID_THW), self._name)
-        if not grids:
-            return [empty_embedding(self.hidden_size, self.dtype, self.device) for _ in batch]
-        with torch.inference_mode():
-            output = self._tower(
-                torch.cat(pixel_values).to(self.device, self.dtype),
-                grid_thw=torch.cat(grids).to(self.device),
+    def _rows(self, output: Any) -> torch.Tensor:
+        # The main embedding, then each deepstack map: :attr:`embedding_layout`.
+        sections = [output.pooler_output, *(output.deepstack_features or ())]
+        if len(sections) != len(self._layout.sections) or any(
+            section.dim() != 2 or section.shape[1] != self._token_width for section in sections
+        ):
+            shapes = [list(section.shape) for section in sections]
+            raise InternalError(
+                f"Encoder produced sections of shapes {shapes}, expected "
+                f"{len(self._layout.sections)} of width {self._token_width}"
             )
-            sections = [output.pooler_output, *(output.deepstack_features or ())]
-            if len(sections) != len(self._layout.sections) or any(
-                section.dim() != 2 or section.shape[1] != self._token_width for section in sections
-            ):
-                shapes = [list(section.shape) for section in sections]
-                raise InternalError(
-                    f"Encoder produced sections of shapes {shapes}, expected "
-                    f"{len(self._layout.sections)} of width {self._token_width}"
-                )
-            rows = torch.cat(sections, dim=1)
-        # Split and cloned outside inference mode: ordinary tensors with their own storage.
-        return owned_pieces(rows, totals)
-
-    # --- checkpoints --------------------------------------------------------------------
-
-    def save_pretrained(self, folder: str | Path) -> None:
-        """Write a checkpoint folder :func:`~encdisagg.models.load_model` loads back
-        bit-identically: the tower's ``config.json`` and ``model.safetensors``, the image
-        processor's ``preprocessor_config.json`` and ``video_preprocessor_config.json``
-        with the clip pixel limits. Blocks on disk I/O.
-        """
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        self._tower.save_pretrained(folder)
-        Qwen2VLImageProcessorPil.from_dict(dict(self._processor_config)).save_pretrained(folder)
-        video = {
-            "video_processor_type": "Qwen3VLVideoProcessor",
-            "size": {"shortest_edge": self._video_pixels[0], "longest_edge": self._video_pixels[1]},
-            "patch_size": self._patch_size,
-            "temporal_patch_size": self._temporal,
-            "merge_size": self._merge_size,
-        }
-        (folder / VIDEO_CONFIG_NAME).write_text(json.dumps(video, indent=2) + "\n")
+        return torch.cat(sections, dim=1)

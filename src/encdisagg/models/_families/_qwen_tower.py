@@ -1,39 +1,47 @@
-"""What the Qwen2-VL family and Qwen3-VL adapters share: the image and video preprocessing.
+"""What the Qwen2-VL family and Qwen3-VL adapters share: the parts and checks of their
+constructors, the image and video preprocessing, the tower call and the checkpoint they write.
 
 Both take images through ``Qwen2VLImageProcessorPil`` and build videos from it; they differ
-only in how a clip's frames are sized (:meth:`QwenTower._video_patches`), which each
-adapter supplies, and in their towers' outputs (each has its own ``forward``).
+in how a clip's frames are sized (:meth:`QwenTower._video_patches`), in their embedding
+width and in what their towers return (:meth:`QwenTower._rows`), which each adapter supplies.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from transformers import Qwen2VLImageProcessorPil
 
 from ..._errors import BadRequestError
 from ..._modality import Modality
 from ..._video_timing import VideoTiming, video_timing
 from .._grids import grid_tokens
-from .._media._decode import MediaPolicy, item_label, load_image, load_video
+from .._media._decode import load_image, load_video
 from .._media._limits import MediaLimits, ResizeRule
+from .._media._policy import MediaPolicy, item_label
+from .._media._video_items import video_source
 from .._protocol import Preprocessed
-from ._qwen_video import GRID_THW, PIXEL_VALUES
+from ._fast_pixels import fast_pixels
+from ._qwen_video import GRID_THW, PIXEL_VALUES, VIDEO_CONFIG_NAME, check_shared_settings
 from ._tower import (
     PerThread,
     TowerModel,
+    architecture_json,
     checked_request,
-    content_key,
+    identity_digest,
     image_patches,
     pixel_budget,
-    pixels_key,
+    settings_json,
+    state_digest,
 )
-from .._media._video_items import video_source
 
 if TYPE_CHECKING:
     from PIL import Image
-    from transformers import PreTrainedModel, Qwen2VLImageProcessorPil
+    from transformers import PreTrainedModel
 
     from ._fast_pixels import FastPixels
 
@@ -41,18 +49,80 @@ __all__ = ["QwenTower"]
 
 
 class QwenTower(TowerModel):
-    """A Qwen vision tower with its image processor; a subclass sets, besides
-    :class:`TowerModel`'s, ``_tower``, ``_media``, ``_merge_size``, ``_temporal`` (the
-    processor's ``temporal_patch_size``), ``_image_rule``, ``_video_rule`` and
-    ``_processors``, and defines ``_video_patches``."""
+    """A Qwen vision tower with its image processor. A subclass names the tower types it
+    drives (``_SUPPORTED``) and its video processor (``_VIDEO_PROCESSOR``), sets
+    ``_hidden_size`` and ``_video_rule`` after this constructor, and defines
+    ``_video_patches`` and ``_rows``.
 
-    _tower: PreTrainedModel
-    _media: MediaPolicy
-    _merge_size: int
-    _temporal: int
-    _image_rule: ResizeRule
+    :raises BadRequestError: naming ``model`` if ``tower`` is no supported vision tower or
+        the processor's patch sizes do not match the tower's; ``preprocess`` for another mode.
+    """
+
+    #: The ``model_type`` of each vision tower the adapter drives.
+    _SUPPORTED: ClassVar[tuple[str, ...]]
+    #: The ``video_processor_type`` :meth:`save_pretrained` writes.
+    _VIDEO_PROCESSOR: ClassVar[str]
+    _feature_keys = (PIXEL_VALUES, GRID_THW)
     _video_rule: ResizeRule
-    _processors: PerThread[Any]
+
+    def __init__(
+        self,
+        tower: PreTrainedModel,
+        image_processor: Qwen2VLImageProcessorPil,
+        *,
+        name: str,
+        media: MediaPolicy | None,
+        video_pixels: tuple[int, int],
+        limits: MediaLimits | None,
+        preprocess: str,
+    ) -> None:
+        config: Any = tower.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in self._SUPPORTED:
+            raise BadRequestError(
+                f"model: {name!r} is a {model_type!r} model; supported vision towers are "
+                f"{', '.join(self._SUPPORTED)}"
+            )
+        check_shared_settings(image_processor, config, name)
+        module: torch.nn.Module = tower
+        module.train(False)  # eval mode; via the base class, whose annotations mypy sees
+        self._tower = self._weights = tower
+        self._name = name
+        self._model_type: str = model_type
+        self._media = media or MediaPolicy()
+        self._limits = limits or MediaLimits()
+        self._processor_config: dict[str, Any] = image_processor.to_dict()
+        self._merge_size = int(image_processor.merge_size)
+        self._patch_size = int(image_processor.patch_size)
+        self._temporal = int(image_processor.temporal_patch_size)
+        self._factor = self._patch_size * self._merge_size
+        self._video_pixels = video_pixels
+        size = image_processor.size
+        self._image_rule = ResizeRule(
+            self._factor, int(size["shortest_edge"]), int(size["longest_edge"])
+        )
+        processor_config = dict(self._processor_config)
+        self._processors = PerThread(
+            image_processor, lambda: Qwen2VLImageProcessorPil.from_dict(dict(processor_config))
+        )
+        self._pixels = fast_pixels(image_processor, preprocess)
+        self._identity = identity_digest(
+            model_type,
+            # The two paths' pixel values differ slightly, so their embeddings never share
+            # a cache entry.
+            self.preprocess_mode,
+            architecture_json(config.to_dict()),
+            settings_json(self._processor_config),
+            self._video_identity(),
+            state_digest(tower),
+        )
+
+    def _video_size(self) -> dict[str, int]:
+        return {"shortest_edge": self._video_pixels[0], "longest_edge": self._video_pixels[1]}
+
+    def _video_identity(self) -> str:
+        """The video settings as the identity hashes them."""
+        return json.dumps(self._video_size(), sort_keys=True)
 
     @property
     def merge_size(self) -> int:
@@ -119,24 +189,12 @@ class QwenTower(TowerModel):
             grids.append(grid)
             if resized is not None:
                 sources.append(resized)
-        if not grids:
-            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
-        grid_thw = torch.cat(grids)
-        rows = tuple(tuple(int(size) for size in row) for row in grid_thw.tolist())
-        token_counts = tuple(grid_tokens(row, self._merge_size) for row in rows)
-        # One item's tensor as it is: a copy of it would cost as much as making it.
-        values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values)
-        features = {PIXEL_VALUES: values, GRID_THW: grid_thw}
-        if self._pixels is None:
-            cache_key = content_key(self._identity, features, rows)
-        else:
-            cache_key = pixels_key(self._identity, sources, rows)
-        return Preprocessed(
-            token_counts=token_counts,
-            grid=rows,
-            features=features,
-            cache_key=cache_key,
-            video_timing=tuple(timings) if modality is Modality.VIDEO else None,
+        return self._image_result(
+            pixel_values,
+            grids,
+            sources,
+            lambda row: grid_tokens(row, self._merge_size),
+            tuple(timings) if modality is Modality.VIDEO else None,
         )
 
     def _fast_image(
@@ -162,3 +220,33 @@ class QwenTower(TowerModel):
         """One video item's ``(pixel_values, grid_thw, resized uint8 frames)``, the last
         ``None`` on the processor's path: each adapter sizes the frames."""
         raise NotImplementedError
+
+    def _encode(self, firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> torch.Tensor:
+        output = self._tower(
+            torch.cat(firsts).to(self.device, self.dtype),
+            grid_thw=torch.cat(seconds).to(self.device),
+        )
+        return self._rows(output)
+
+    def _rows(self, output: Any) -> torch.Tensor:
+        """The ``[tokens, hidden_size]`` rows of the tower's ``output``."""
+        raise NotImplementedError
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write a checkpoint folder :func:`~encdisagg.models.load_model` loads back
+        bit-identically: the tower's ``config.json`` and ``model.safetensors``, the image
+        processor's ``preprocessor_config.json`` and ``video_preprocessor_config.json`` with
+        the video pixel limits. Blocks on disk I/O.
+        """
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._tower.save_pretrained(folder)
+        Qwen2VLImageProcessorPil.from_dict(dict(self._processor_config)).save_pretrained(folder)
+        video = {
+            "video_processor_type": self._VIDEO_PROCESSOR,
+            "size": self._video_size(),
+            "patch_size": self._patch_size,
+            "temporal_patch_size": self._temporal,
+            "merge_size": self._merge_size,
+        }
+        (folder / VIDEO_CONFIG_NAME).write_text(json.dumps(video, indent=2) + "\n")
