@@ -49,13 +49,12 @@ from ._tiny._qwen3_vl import (
     tiny_qwen3_vl_config as tiny_qwen3_vl_config,
 )
 from ._tiny._qwen_vl import (
-    TINY_SEED as TINY_SEED,
-    TINY_TEXT_HIDDEN_SIZE as TINY_TEXT_HIDDEN_SIZE,
     build_tiny_qwen2_5_vl as build_tiny_qwen2_5_vl,
     build_tiny_qwen2_vl as build_tiny_qwen2_vl,
     tiny_qwen2_5_vl_config as tiny_qwen2_5_vl_config,
     tiny_qwen2_vl_config as tiny_qwen2_vl_config,
 )
+from ._tiny._seed import TINY_SEED as TINY_SEED, TINY_TEXT_HIDDEN_SIZE as TINY_TEXT_HIDDEN_SIZE
 
 __all__ = (
     "VisionModel",

@@ -25,8 +25,6 @@ from transformers import (
 from ._seed import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, VISION_TOKEN_IDS, seeded_build, text_config
 
 __all__ = [
-    "TINY_SEED",
-    "TINY_TEXT_HIDDEN_SIZE",
     "build_tiny_qwen2_5_vl",
     "build_tiny_qwen2_vl",
     "tiny_qwen2_5_vl_config",
