@@ -111,6 +111,7 @@ class KimiVisionModel(TowerModel):
     """
 
     _feature_keys = (PIXEL_VALUES, GRID_THWS)
+    _MODALITIES = frozenset({Modality.IMAGE})
 
     def __init__(
         self,
@@ -170,11 +171,6 @@ class KimiVisionModel(TowerModel):
     def merge_kernel_size(self) -> tuple[int, int]:
         """Patches pooled into one token along height and width."""
         return self._merge_kernel
-
-    @property
-    def modalities(self) -> frozenset[Modality]:
-        """The modalities ``preprocess`` accepts."""
-        return frozenset({Modality.IMAGE})
 
     @property
     def tower(self) -> KimiK25VisionEncoder:

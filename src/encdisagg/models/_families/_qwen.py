@@ -15,15 +15,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, final
 
 from ..._errors import BadRequestError
-from .._media._limits import MediaLimits, ResizeRule
-from .._media._policy import MediaPolicy, item_label
+from .._media._limits import ResizeRule
+from .._media._policy import item_label
 from ._qwen_tower import QwenTower
 from ._qwen_video import check_frame_sizes, fast_clip, paired_frames
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
-    from transformers import PreTrainedModel, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessorPil
 
 __all__ = ["QwenVisionModel", "VIDEO_MAX_PIXELS", "VIDEO_MIN_PIXELS"]
 
@@ -50,8 +50,10 @@ class QwenVisionModel(QwenTower):
     :param image_processor: the image processor whose settings fix the token counts.
     :param name: the model's name (a built-in name or the checkpoint folder).
     :param media: which media items may be and where they may come from.
-    :param video_min_pixels: fewest pixels a video frame is resized to.
-    :param video_max_pixels: most pixels a video frame is resized to.
+    :param video_min_pixels: fewest pixels a video frame is resized to (default
+        :data:`VIDEO_MIN_PIXELS`).
+    :param video_max_pixels: most pixels a video frame is resized to (default
+        :data:`VIDEO_MAX_PIXELS`).
     :param limits: the media budgets of a request whose caller passes none (defaults:
         :class:`~._media_limits.MediaLimits`).
     :param preprocess: ``"fast"`` (``uint8`` resize, one normalising pass; see
@@ -62,31 +64,11 @@ class QwenVisionModel(QwenTower):
 
     _SUPPORTED = tuple(_OUTPUT_WIDTH_KEYS)
     _VIDEO_PROCESSOR = "Qwen2VLVideoProcessor"
+    _VIDEO_PIXELS = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
 
-    def __init__(
-        self,
-        tower: PreTrainedModel,
-        image_processor: Qwen2VLImageProcessorPil,
-        *,
-        name: str,
-        media: MediaPolicy | None = None,
-        video_min_pixels: int = VIDEO_MIN_PIXELS,
-        video_max_pixels: int = VIDEO_MAX_PIXELS,
-        limits: MediaLimits | None = None,
-        preprocess: str = "fast",
-    ) -> None:
-        super().__init__(
-            tower,
-            image_processor,
-            name=name,
-            media=media,
-            video_pixels=(video_min_pixels, video_max_pixels),
-            limits=limits,
-            preprocess=preprocess,
-        )
-        config: Any = tower.config
+    def _configure(self, config: Any) -> None:
         self._hidden_size = int(getattr(config, _OUTPUT_WIDTH_KEYS[self._model_type]))
-        self._video_rule = ResizeRule(self._factor, video_min_pixels, video_max_pixels)
+        self._video_rule = ResizeRule(self._factor, *self._video_pixels)
 
     def __repr__(self) -> str:
         return (

@@ -27,14 +27,14 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 
 from ..._errors import BadRequestError, InternalError
 from ...transfer import EmbeddingLayout, deepstack_layout
-from .._media._limits import MediaLimits, ResizeRule
-from .._media._policy import MediaPolicy, item_label
+from .._media._limits import ResizeRule
+from .._media._policy import item_label
 from ._qwen_tower import QwenTower
 from ._qwen_video import check_frame_sizes, fast_clip, paired_frames
 
 if TYPE_CHECKING:
     from PIL import Image
-    from transformers import PreTrainedModel, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessorPil
 
 __all__ = ["QWEN3_VIDEO_MAX_PIXELS", "QWEN3_VIDEO_MIN_PIXELS", "Qwen3VisionModel"]
 
@@ -55,8 +55,10 @@ class Qwen3VisionModel(QwenTower):
     :param image_processor: the image processor whose settings fix the token counts.
     :param name: the built-in name or checkpoint folder.
     :param media: which media items are accepted and from where.
-    :param video_min_pixels: fewest pixels of a whole video clip after resizing.
-    :param video_max_pixels: most pixels of a whole video clip after resizing.
+    :param video_min_pixels: fewest pixels of a whole video clip after resizing (default
+        :data:`QWEN3_VIDEO_MIN_PIXELS`).
+    :param video_max_pixels: most pixels of a whole video clip after resizing (default
+        :data:`QWEN3_VIDEO_MAX_PIXELS`).
     :param limits: the default media budgets.
     :param preprocess: ``"fast"`` or ``"reference"`` (the image processor itself).
     :raises BadRequestError: naming ``model`` for another tower or mismatched patch sizes,
@@ -65,29 +67,9 @@ class Qwen3VisionModel(QwenTower):
 
     _SUPPORTED = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
     _VIDEO_PROCESSOR = "Qwen3VLVideoProcessor"
+    _VIDEO_PIXELS = (QWEN3_VIDEO_MIN_PIXELS, QWEN3_VIDEO_MAX_PIXELS)
 
-    def __init__(
-        self,
-        tower: PreTrainedModel,
-        image_processor: Qwen2VLImageProcessorPil,
-        *,
-        name: str,
-        media: MediaPolicy | None = None,
-        video_min_pixels: int = QWEN3_VIDEO_MIN_PIXELS,
-        video_max_pixels: int = QWEN3_VIDEO_MAX_PIXELS,
-        limits: MediaLimits | None = None,
-        preprocess: str = "fast",
-    ) -> None:
-        super().__init__(
-            tower,
-            image_processor,
-            name=name,
-            media=media,
-            video_pixels=(video_min_pixels, video_max_pixels),
-            limits=limits,
-            preprocess=preprocess,
-        )
-        config: Any = tower.config
+    def _configure(self, config: Any) -> None:
         self._token_width = int(config.out_hidden_size)
         self._layout = deepstack_layout(self._token_width, len(config.deepstack_visual_indexes))
         self._hidden_size = self._layout.width
@@ -95,7 +77,7 @@ class Qwen3VisionModel(QwenTower):
         # shortest clip (one temporal patch) share the clip's pixels, so no frame gets more.
         square = self._factor * self._factor
         self._video_rule = ResizeRule(
-            self._factor, square, max(square, video_max_pixels // self._temporal)
+            self._factor, square, max(square, self._video_pixels[1] // self._temporal)
         )
 
     def _video_identity(self) -> str:

@@ -97,6 +97,7 @@ class QwenAudioModel(TowerModel):
     """
 
     _feature_keys = (INPUT_FEATURES, FEATURE_LENGTHS)
+    _MODALITIES = frozenset({Modality.AUDIO})
 
     def __init__(
         self,
@@ -181,11 +182,6 @@ class QwenAudioModel(TowerModel):
     def window_seconds(self) -> float:
         """The longest item the model encodes: the extractor's window, in seconds."""
         return self._window_seconds
-
-    @property
-    def modalities(self) -> frozenset[Modality]:
-        """The modalities ``preprocess`` accepts."""
-        return frozenset({Modality.AUDIO})
 
     @property
     def encoder(self) -> PreTrainedModel:

@@ -50,8 +50,8 @@ __all__ = ["QwenTower"]
 
 class QwenTower(TowerModel):
     """A Qwen vision tower with its image processor. A subclass names the tower types it
-    drives (``_SUPPORTED``) and its video processor (``_VIDEO_PROCESSOR``), sets
-    ``_hidden_size`` and ``_video_rule`` after this constructor, and defines
+    drives (``_SUPPORTED``), its video processor and that one's default pixel limits
+    (``_VIDEO_PROCESSOR``, ``_VIDEO_PIXELS``), and defines ``_configure``,
     ``_video_patches`` and ``_rows``.
 
     :raises BadRequestError: naming ``model`` if ``tower`` is no supported vision tower or
@@ -62,7 +62,10 @@ class QwenTower(TowerModel):
     _SUPPORTED: ClassVar[tuple[str, ...]]
     #: The ``video_processor_type`` :meth:`save_pretrained` writes.
     _VIDEO_PROCESSOR: ClassVar[str]
+    #: The video processor's default pixel limits.
+    _VIDEO_PIXELS: ClassVar[tuple[int, int]]
     _feature_keys = (PIXEL_VALUES, GRID_THW)
+    _MODALITIES = frozenset({Modality.IMAGE, Modality.VIDEO})
     _video_rule: ResizeRule
 
     def __init__(
@@ -71,10 +74,11 @@ class QwenTower(TowerModel):
         image_processor: Qwen2VLImageProcessorPil,
         *,
         name: str,
-        media: MediaPolicy | None,
-        video_pixels: tuple[int, int],
-        limits: MediaLimits | None,
-        preprocess: str,
+        media: MediaPolicy | None = None,
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
+        limits: MediaLimits | None = None,
+        preprocess: str = "fast",
     ) -> None:
         config: Any = tower.config
         model_type = getattr(config, "model_type", None)
@@ -96,7 +100,11 @@ class QwenTower(TowerModel):
         self._patch_size = int(image_processor.patch_size)
         self._temporal = int(image_processor.temporal_patch_size)
         self._factor = self._patch_size * self._merge_size
-        self._video_pixels = video_pixels
+        low, high = self._VIDEO_PIXELS  # the defaults
+        self._video_pixels = (
+            low if video_min_pixels is None else video_min_pixels,
+            high if video_max_pixels is None else video_max_pixels,
+        )
         size = image_processor.size
         self._image_rule = ResizeRule(
             self._factor, int(size["shortest_edge"]), int(size["longest_edge"])
@@ -116,6 +124,11 @@ class QwenTower(TowerModel):
             self._video_identity(),
             state_digest(tower),
         )
+        self._configure(config)
+
+    def _configure(self, config: Any) -> None:
+        """Set ``_hidden_size`` and ``_video_rule`` from the tower's ``config``."""
+        raise NotImplementedError
 
     def _video_size(self) -> dict[str, int]:
         return {"shortest_edge": self._video_pixels[0], "longest_edge": self._video_pixels[1]}
@@ -128,11 +141,6 @@ class QwenTower(TowerModel):
     def merge_size(self) -> int:
         """Patches folded into one token along each spatial axis."""
         return self._merge_size
-
-    @property
-    def modalities(self) -> frozenset[Modality]:
-        """The modalities ``preprocess`` accepts."""
-        return frozenset({Modality.IMAGE, Modality.VIDEO})
 
     @property
     def tower(self) -> PreTrainedModel:

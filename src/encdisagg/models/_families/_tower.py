@@ -12,7 +12,7 @@ import hashlib
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar
 
 import torch
 
@@ -204,6 +204,7 @@ class TowerModel:
     _weights: Any
     #: The keys of ``Preprocessed.features`` ``preprocess`` writes and ``forward`` reads.
     _feature_keys: tuple[str, str]
+    _MODALITIES: ClassVar[frozenset[Modality]]
     #: The fast image path, or ``None`` where the processor itself runs (``"reference"``).
     _pixels: FastPixels | None
 
@@ -214,6 +215,11 @@ class TowerModel:
     def name(self) -> str:
         """The built-in name or checkpoint folder this model was loaded from."""
         return self._name
+
+    @property
+    def modalities(self) -> frozenset[Modality]:
+        """The modalities ``preprocess`` accepts."""
+        return self._MODALITIES
 
     @property
     def identity(self) -> str:
