@@ -21,7 +21,7 @@ from encdisagg.models import (
     load_model,
     qwen2_audio_output_length,
 )
-from encdisagg.models._tiny_audio import (
+from encdisagg.models._tiny._audio import (
     TINY_AUDIO_TOKEN_ID,
     build_tiny_qwen2_5_omni_thinker,
     build_tiny_qwen2_audio,

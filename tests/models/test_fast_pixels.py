@@ -21,8 +21,8 @@ from transformers import Qwen2VLImageProcessorPil
 from encdisagg import BadRequestError, EncoderConfig
 from encdisagg._modality import Modality
 from encdisagg.models import load_model, qwen3_vl_image_processor
-from encdisagg.models._kimi_processor import Kimi_K25ImageProcessorPil
-from encdisagg.models._media_limits import MediaLimits
+from encdisagg.models._families._kimi_processor import Kimi_K25ImageProcessorPil
+from encdisagg.models._media._limits import MediaLimits
 
 from ._media_samples import encode, make_image
 

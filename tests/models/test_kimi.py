@@ -27,8 +27,8 @@ from encdisagg.models import (
     load_model,
     select_grid,
 )
-from encdisagg.models._kimi_processor import Kimi_K25ImageProcessorPil, navit_size
-from encdisagg.models._tiny_kimi import build_tiny_kimi_k25, tiny_kimi_k25_config
+from encdisagg.models._families._kimi_processor import Kimi_K25ImageProcessorPil, navit_size
+from encdisagg.models._tiny._kimi import build_tiny_kimi_k25, tiny_kimi_k25_config
 
 from ._hf_source import upstream_function
 from ._media_samples import encode, make_image
@@ -268,7 +268,7 @@ class TestCheckpoints:
 
 
 def test_budget_refusal_names_the_limit(kimi: KimiVisionModel) -> None:
-    from encdisagg.models._media_limits import MediaLimits
+    from encdisagg.models._media._limits import MediaLimits
 
     with pytest.raises(BadRequestError, match="max_request_pixels"):
         kimi.preprocess(

@@ -9,7 +9,7 @@ from PIL import Image
 
 from encdisagg import BadRequestError
 from encdisagg.models import MediaPolicy, QwenVisionModel, load_image, load_video
-from encdisagg.models._media_limits import (
+from encdisagg.models._media._limits import (
     DEFAULT_MAX_ITEMS,
     DEFAULT_MAX_REQUEST_PIXELS,
     MediaLimits,

@@ -11,7 +11,7 @@ from .._errors import BadRequestError, EncdisaggError, InternalError
 from .._modality import Modality
 from ..cache import relabel_items
 from ..models import ModelOptions, Preprocessed, VisionModel
-from ..models._media_limits import MediaLimits
+from ..models._media._limits import MediaLimits
 from ._types import EncodeRequest
 
 __all__ = ["Preprocess", "item_subset", "limited_preprocess", "media_limits", "preprocess_failure"]

@@ -15,6 +15,10 @@
 - The tiny configs and builders, so a pipeline can build the matching tiny language model.
 """
 
+from ._families._kimi import KimiVisionModel as KimiVisionModel
+from ._families._qwen import QwenVisionModel as QwenVisionModel
+from ._families._qwen3_vl import Qwen3VisionModel as Qwen3VisionModel
+from ._families._qwen_audio import QwenAudioModel as QwenAudioModel
 from ._grids import (
     audio_output_length as audio_output_length,
     grid_patches as grid_patches,
@@ -25,9 +29,8 @@ from ._grids import (
     qwen3_audio_output_length as qwen3_audio_output_length,
     select_grid as select_grid,
 )
-from ._kimi import KimiVisionModel as KimiVisionModel
 from ._loading import BUILTIN_MODELS as BUILTIN_MODELS, load_model as load_model
-from ._media import (
+from ._media._decode import (
     DEFAULT_MAX_MEDIA_BYTES as DEFAULT_MAX_MEDIA_BYTES,
     MediaPolicy as MediaPolicy,
     load_image as load_image,
@@ -40,22 +43,18 @@ from ._protocol import (
     VisionModel as VisionModel,
     split_embedding as split_embedding,
 )
-from ._qwen import QwenVisionModel as QwenVisionModel
-from ._qwen3_vl import Qwen3VisionModel as Qwen3VisionModel
-from ._qwen_audio import QwenAudioModel as QwenAudioModel
-from ._tiny import (
-    TINY_SEED as TINY_SEED,
-    TINY_TEXT_HIDDEN_SIZE as TINY_TEXT_HIDDEN_SIZE,
+from ._tiny._qwen3_vl import (
+    build_tiny_qwen3_vl as build_tiny_qwen3_vl,
+    qwen3_vl_image_processor as qwen3_vl_image_processor,
+    tiny_qwen3_vl_config as tiny_qwen3_vl_config,
+)
+from ._tiny._qwen_vl import (
     build_tiny_qwen2_5_vl as build_tiny_qwen2_5_vl,
     build_tiny_qwen2_vl as build_tiny_qwen2_vl,
     tiny_qwen2_5_vl_config as tiny_qwen2_5_vl_config,
     tiny_qwen2_vl_config as tiny_qwen2_vl_config,
 )
-from ._tiny_qwen3_vl import (
-    build_tiny_qwen3_vl as build_tiny_qwen3_vl,
-    qwen3_vl_image_processor as qwen3_vl_image_processor,
-    tiny_qwen3_vl_config as tiny_qwen3_vl_config,
-)
+from ._tiny._seed import TINY_SEED as TINY_SEED, TINY_TEXT_HIDDEN_SIZE as TINY_TEXT_HIDDEN_SIZE
 
 __all__ = (
     "VisionModel",

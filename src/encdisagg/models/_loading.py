@@ -1,14 +1,19 @@
-"""``load_model``: built-in tiny models by name, anything else from a local checkpoint folder."""
+"""``load_model``: built-in tiny models by name, anything else from a local checkpoint folder.
+
+One table, :data:`_FAMILIES`, says for every family of models its adapter, its built-in
+names, the ``model_type`` values of the checkpoints it reads and its reader
+(:mod:`~._readers`); what loading does around a family's own classes is written once here.
+"""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import torch
-from transformers import PreTrainedModel, Qwen2VLImageProcessorPil
+from transformers import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VisionTransformerPretrainedModel,
@@ -22,204 +27,193 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVis
 
 from .._errors import BadRequestError
 from .._hub import resolve_hub_model
-from ._audio_loading import AUDIO_BUILTIN_MODELS, is_audio_model, load_audio_model
 from ._checkpoint import (
     cast_weights,
     declared_dtype,
-    from_checkpoint,
     move_to,
     parse_dtype,
     read_json,
     refuse_missing,
     require_preprocessor,
 )
-from ._fast_pixels import check_mode
-from ._kimi import KimiVisionModel
-from ._media import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
-from ._qwen import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, QwenVisionModel
-from ._qwen3_vl import QWEN3_VIDEO_MAX_PIXELS, QWEN3_VIDEO_MIN_PIXELS, Qwen3VisionModel
-from ._qwen_audio import QwenAudioModel
-from ._qwen_video import VIDEO_CONFIG_NAME
-from ._tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
-from ._tiny_qwen3_vl import build_tiny_qwen3_vl, qwen3_vl_image_processor
+from ._families._fast_pixels import check_mode
+from ._families._kimi import KimiVisionModel
+from ._families._kimi_processor import Kimi_K25ImageProcessorPil
+from ._families._qwen import QwenVisionModel
+from ._families._qwen3_vl import Qwen3VisionModel
+from ._families._qwen_audio import QwenAudioModel
+from ._media._policy import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_VIDEO_FRAMES, MediaPolicy
+from ._readers import Parts, read_audio, read_kimi, read_qwen
+from ._tiny._audio import (
+    build_tiny_qwen2_5_omni_thinker,
+    build_tiny_qwen2_audio,
+    tiny_audio_feature_extractor,
+)
+from ._tiny._kimi import build_tiny_kimi_k25
+from ._tiny._qwen3_vl import build_tiny_qwen3_vl, qwen3_vl_image_processor
+from ._tiny._qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
 
-__all__ = ["BUILTIN_MODELS", "load_model", "parse_dtype"]
-
-_BUILDERS: Final[dict[str, Callable[[], PreTrainedModel]]] = {
-    "tiny": lambda: build_tiny_qwen2_vl().model.visual,
-    "tiny-qwen2.5-vl": lambda: build_tiny_qwen2_5_vl().model.visual,
-    "tiny-qwen3-vl": lambda: build_tiny_qwen3_vl().model.visual,
-}
-# --- Kimi-K2.5: its own adapter and loader (_kimi_loading, imported on use) ---------------
-_KIMI_BUILTINS: Final = ("tiny-kimi-k25",)
-
-
-def _kimi_loader(name: str) -> Callable[..., KimiVisionModel] | None:
-    """``load_kimi`` when ``name`` is a Kimi-K2.5 built-in or checkpoint folder, else None."""
-    from ._kimi_loading import is_kimi_checkpoint, load_kimi  # it reuses this module's helpers
-
-    if name in _KIMI_BUILTINS or is_kimi_checkpoint(Path(name).expanduser()):
-        return load_kimi
-    return None
+__all__ = ["BUILTIN_MODELS", "is_audio_model", "load_model", "parse_dtype"]
 
 
-BUILTIN_MODELS: Final = (*_BUILDERS, *_KIMI_BUILTINS, *AUDIO_BUILTIN_MODELS)
+@dataclass(frozen=True)
+class _Family:
+    """How one family of models is built, read and wrapped."""
 
-# model_type of a checkpoint's config.json -> (vision config class, tower class). Full
-# checkpoints (``qwen2_vl``) keep the tower under ``vision_config`` and ``model.visual.*``
-# (``visual.*`` in checkpoints written by transformers 4).
-_TOWERS: Final[dict[str, tuple[Any, Any]]] = {
-    "qwen2_vl": (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel),
-    "qwen2_vl_vision": (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel),
-    "qwen2_5_vl": (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel),
-    "qwen2_5_vl_vision": (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel),
-}
-_FULL_CHECKPOINT_KEYS: Final = {r"^model\.visual\.": "", r"^visual\.": ""}
-
-
-def _parse_device(device: str) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise BadRequestError(f"device: invalid device {device!r}: {exc}") from exc
-
-
-def _video_limits(folder: Path, name: str) -> tuple[int, int]:
-    path = folder / VIDEO_CONFIG_NAME
-    if not path.is_file():
-        return VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS
-    config = read_json(path, name)
-    size = config.get("size") or {}
-    low = size.get("shortest_edge", config.get("min_pixels", VIDEO_MIN_PIXELS))
-    high = size.get("longest_edge", config.get("max_pixels", VIDEO_MAX_PIXELS))
-    if not (isinstance(low, int) and isinstance(high, int) and 0 < low <= high):
-        raise BadRequestError(f"model: {VIDEO_CONFIG_NAME} of {name!r} has an invalid size")
-    return low, high
+    #: The adapter: called with the parts' first module and processor, ``name=``,
+    #: ``media=``, the parts' keywords and (for image families) ``preprocess=``.
+    adapter: Callable[..., Any]
+    #: Built-in name -> its seeded parts (float32, CPU).
+    builtins: Mapping[str, Callable[[], Parts]]
+    #: A checkpoint's ``model_type`` -> what the reader needs for it.
+    model_types: Mapping[str, Any]
+    #: Reads a checkpoint folder's parts (see :mod:`~._readers`).
+    reader: Callable[..., tuple[Parts, Mapping[str, Any]]]
+    #: The ``config.json`` section whose declared dtype is the checkpoint's own.
+    dtype_section: str = "vision_config"
+    #: What missing weights are called in the refusal.
+    weights: str = "vision tower"
+    #: Whether the adapter takes ``preprocess=`` (the image families).
+    preprocesses: bool = True
 
 
-# --- full checkpoints: the language model's weights are skipped without a report ---------
-#: Keys of a full checkpoint's language model (transformers 4 and 5 layouts): never read
-#: into the tower, and not reported as unexpected (they are expected to be there).
-_LANGUAGE_KEYS: Final = (r"^lm_head\.", r"^model\.(language_model|layers|embed_tokens|norm)\.")
+def _qwen2_audio() -> Parts:
+    full = build_tiny_qwen2_audio()
+    projector = full.model.multi_modal_projector
+    keywords = {"projector": projector, "checkpoint_config": full.config.to_dict()}
+    return Parts((full.model.audio_tower, projector), tiny_audio_feature_extractor(), keywords)
 
 
-@functools.cache
-def _vision_only(tower_class: Any) -> Any:
-    """``tower_class``, ignoring a full checkpoint's language-model keys when it loads."""
-    ignored = [*(tower_class._keys_to_ignore_on_load_unexpected or ()), *_LANGUAGE_KEYS]
-    return type(
-        tower_class.__name__,
-        (tower_class,),
-        {"_keys_to_ignore_on_load_unexpected": ignored, "__module__": tower_class.__module__},
-    )
+# Full checkpoints (``qwen2_vl``) keep the tower under ``vision_config``; a tower alone is a
+# ``*_vision`` checkpoint. Qwen3-VL's dense and MoE checkpoints share the adapter.
+_QWEN2_TOWERS: Final = (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel)
+_QWEN2_5_TOWERS: Final = (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel)
+_QWEN3_TOWERS: Final = (Qwen3VLVisionConfig, Qwen3VLVisionModel)
+_QWEN3_MOE_TOWERS: Final = (Qwen3VLMoeVisionConfig, Qwen3VLMoeVisionModel)
+_AUDIO: Final = _Family(
+    adapter=QwenAudioModel,
+    builtins={
+        "tiny-qwen2-audio": _qwen2_audio,
+        "tiny-qwen2.5-omni-audio": lambda: Parts(
+            (build_tiny_qwen2_5_omni_thinker().model.audio_tower,), tiny_audio_feature_extractor()
+        ),
+    },
+    model_types=dict.fromkeys(
+        ("qwen2_audio", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen2_5_omni_audio_encoder")
+    ),
+    reader=read_audio,
+    dtype_section="audio_config",
+    weights="audio encoder",
+    preprocesses=False,
+)
+_FAMILIES: Final = (
+    _Family(
+        adapter=QwenVisionModel,
+        builtins={
+            "tiny": lambda: Parts(
+                (build_tiny_qwen2_vl().model.visual,), Qwen2VLImageProcessorPil()
+            ),
+            "tiny-qwen2.5-vl": lambda: Parts(
+                (build_tiny_qwen2_5_vl().model.visual,), Qwen2VLImageProcessorPil()
+            ),
+        },
+        model_types={
+            "qwen2_vl": _QWEN2_TOWERS,
+            "qwen2_vl_vision": _QWEN2_TOWERS,
+            "qwen2_5_vl": _QWEN2_5_TOWERS,
+            "qwen2_5_vl_vision": _QWEN2_5_TOWERS,
+        },
+        reader=read_qwen,
+    ),
+    _Family(
+        adapter=Qwen3VisionModel,
+        builtins={
+            "tiny-qwen3-vl": lambda: Parts(
+                (build_tiny_qwen3_vl().model.visual,), qwen3_vl_image_processor()
+            ),
+        },
+        model_types={
+            "qwen3_vl": _QWEN3_TOWERS,
+            "qwen3_vl_vision": _QWEN3_TOWERS,
+            "qwen3_vl_moe": _QWEN3_MOE_TOWERS,
+            "qwen3_vl_moe_vision": _QWEN3_MOE_TOWERS,
+        },
+        reader=read_qwen,
+    ),
+    _Family(
+        adapter=KimiVisionModel,
+        builtins={
+            "tiny-kimi-k25": lambda: Parts((build_tiny_kimi_k25(),), Kimi_K25ImageProcessorPil())
+        },
+        model_types={"kimi_k25": None},
+        reader=read_kimi,
+        weights="vision encoder",
+    ),
+    _AUDIO,
+)
+
+BUILTIN_MODELS: Final = tuple(name for family in _FAMILIES for name in family.builtins)
 
 
-def _load_folder(
-    folder: Path,
-    name: str,
-    dtype: torch.dtype | None,
-    towers: Mapping[str, tuple[Any, Any]],
-    video_defaults: tuple[int, int],
-) -> tuple[PreTrainedModel, Qwen2VLImageProcessorPil, tuple[int, int]]:
-    """The tower ``towers`` names for the folder's model type, its image processor and its
-    video pixel limits (``video_defaults`` without a video processor config)."""
-    config = read_json(folder / "config.json", name)
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in towers:
-        raise BadRequestError(
-            f"model: {name!r} is a {model_type!r} checkpoint; supported model types are "
-            f"{', '.join(towers)}"
-        )
-    require_preprocessor(folder, name)
-    config_class, tower_class = towers[model_type]
-    dtype = dtype or declared_dtype(config, "vision_config") or torch.float32
-    try:
-        vision_config = config_class.from_pretrained(folder, local_files_only=True)
-        tower, info = from_checkpoint(
-            _vision_only(tower_class),
-            folder,
-            config=vision_config,
-            dtype=dtype,
-            key_mapping=_FULL_CHECKPOINT_KEYS,
-        )
-        processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise BadRequestError(f"model: cannot load checkpoint {name!r}: {exc}") from exc
-    refuse_missing(info, name, "vision tower")
-    if not (folder / VIDEO_CONFIG_NAME).is_file():
-        return tower, processor, video_defaults
-    return tower, processor, _video_limits(folder, name)
+def _family_of(name: str) -> tuple[_Family, dict[str, Any] | None]:
+    """The family of the built-in ``name`` (no config), else of the checkpoint folder
+    ``name``, with its ``config.json``. Blocks on one small read.
 
-
-def _tower_parts(
-    name: str,
-    dtype: torch.dtype | None,
-    towers: Mapping[str, tuple[Any, Any]],
-    video_defaults: tuple[int, int],
-    builtin_processor: Callable[[], Qwen2VLImageProcessorPil],
-) -> tuple[PreTrainedModel, Qwen2VLImageProcessorPil, tuple[int, int]]:
-    """A Qwen vision tower, its image processor and video pixel limits: built when ``name``
-    is a built-in (cast to ``dtype`` if given), else read from the folder ``name``."""
-    if name in _BUILDERS:
-        tower = _BUILDERS[name]()
-        processor = builtin_processor()
-        if dtype is not None:
-            cast_weights(tower, dtype)
-        return tower, processor, video_defaults
+    :raises BadRequestError: naming ``model`` for a name that is neither, an unreadable
+        ``config.json`` or a ``model_type`` no family reads.
+    """
+    for family in _FAMILIES:
+        if name in family.builtins:
+            return family, None
     folder = Path(name).expanduser()
     if not folder.is_dir():
         raise BadRequestError(
             f"model: {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
             "nor a checkpoint folder"
         )
-    return _load_folder(folder, name, dtype, towers, video_defaults)
-
-
-# --- Qwen3-VL: dense and MoE checkpoints share the tower; loaded by _load_qwen3_vl -------
-_QWEN3_TOWERS: Final[dict[str, tuple[Any, Any]]] = {
-    "qwen3_vl": (Qwen3VLVisionConfig, Qwen3VLVisionModel),
-    "qwen3_vl_vision": (Qwen3VLVisionConfig, Qwen3VLVisionModel),
-    "qwen3_vl_moe": (Qwen3VLMoeVisionConfig, Qwen3VLMoeVisionModel),
-    "qwen3_vl_moe_vision": (Qwen3VLMoeVisionConfig, Qwen3VLMoeVisionModel),
-}
-_QWEN3_BUILTINS: Final = frozenset({"tiny-qwen3-vl"})
-
-
-def _is_qwen3_vl(name: str) -> bool:
-    if name in _QWEN3_BUILTINS:
-        return True
-    if name in _BUILDERS:
-        return False
-    path = Path(name).expanduser() / "config.json"
-    if not path.is_file():
-        return False
-    return read_json(path, name).get("model_type") in _QWEN3_TOWERS
-
-
-def _load_qwen3_vl(
-    name: str,
-    dtype: torch.dtype | None,
-    device: torch.device,
-    media: MediaPolicy,
-    preprocess: str,
-) -> Qwen3VisionModel:
-    tower, processor, video_limits = _tower_parts(
-        name,
-        dtype,
-        _QWEN3_TOWERS,
-        (QWEN3_VIDEO_MIN_PIXELS, QWEN3_VIDEO_MAX_PIXELS),
-        qwen3_vl_image_processor,
+    config = read_json(folder / "config.json", name)
+    model_type = config.get("model_type")
+    for family in _FAMILIES:
+        if isinstance(model_type, str) and model_type in family.model_types:
+            return family, config
+    supported = (model_type for family in _FAMILIES for model_type in family.model_types)
+    raise BadRequestError(
+        f"model: {name!r} is a {model_type!r} checkpoint; supported model types are "
+        f"{', '.join(supported)}"
     )
-    move_to([tower], device, str(device))
-    return Qwen3VisionModel(
-        tower,
-        processor,
-        name=name,
-        media=media,
-        video_min_pixels=video_limits[0],
-        video_max_pixels=video_limits[1],
-        preprocess=preprocess,
-    )
+
+
+def is_audio_model(name: str) -> bool:
+    """Whether ``name`` is a built-in audio model or a folder holding an audio checkpoint.
+    Blocks on one small file read; an unloadable name is no audio model."""
+    try:
+        return _family_of(name)[0] is _AUDIO
+    except BadRequestError:
+        return False
+
+
+def _read_folder(
+    family: _Family, name: str, config: dict[str, Any], dtype: torch.dtype | None
+) -> Parts:
+    """The parts in the checkpoint folder ``name``, in ``dtype`` (``None``: the dtype its
+    config declares, else float32). Blocks on the reads.
+
+    :raises BadRequestError: naming ``model`` for a folder without processor settings, one
+        the library cannot load, or weights it lacks.
+    """
+    folder = Path(name).expanduser()
+    require_preprocessor(folder, name)
+    dtype = dtype or declared_dtype(config, family.dtype_section) or torch.float32
+    try:
+        parts, info = family.reader(
+            folder, name, config, dtype, family.model_types[config["model_type"]]
+        )
+    except BadRequestError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadRequestError(f"model: cannot load checkpoint {name!r}: {exc}") from exc
+    refuse_missing(info, name, family.weights)
+    return parts
 
 
 def load_model(
@@ -280,30 +274,24 @@ def load_model(
         max_video_frames=max_video_frames,
     )
     wanted_dtype = parse_dtype(dtype)
-    target = _parse_device(device)
-    name = str(name_or_path)
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise BadRequestError(f"device: invalid device {device!r}: {exc}") from exc
     # A Hub id (ORG/NAME) loads from its snapshot folder in the local cache, offline.
-    name = resolve_hub_model(name, BUILTIN_MODELS)
-    if kimi := _kimi_loader(name):
-        return kimi(name, dtype=wanted_dtype, device=target, media=media, preprocess=preprocess)
-    if _is_qwen3_vl(name):
-        return _load_qwen3_vl(name, wanted_dtype, target, media, preprocess)
-    if is_audio_model(name):
-        return load_audio_model(name, media=media, dtype=wanted_dtype, device=target)
-    tower, processor, video_limits = _tower_parts(
-        name,
-        wanted_dtype,
-        _TOWERS,
-        (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS),
-        Qwen2VLImageProcessorPil,
+    name = resolve_hub_model(str(name_or_path), BUILTIN_MODELS)
+    family, config = _family_of(name)
+    if config is None:
+        parts = family.builtins[name]()
+        if wanted_dtype is not None:
+            for module in parts.modules:
+                if module is not None:
+                    cast_weights(module, wanted_dtype)
+    else:
+        parts = _read_folder(family, name, config, wanted_dtype)
+    move_to(parts.modules, target, device)
+    options = {"preprocess": preprocess} if family.preprocesses else {}
+    model: QwenVisionModel | Qwen3VisionModel | KimiVisionModel | QwenAudioModel = family.adapter(
+        parts.modules[0], parts.processor, name=name, media=media, **parts.keywords, **options
     )
-    move_to([tower], target, device)
-    return QwenVisionModel(
-        tower,
-        processor,
-        name=name,
-        media=media,
-        video_min_pixels=video_limits[0],
-        video_max_pixels=video_limits[1],
-        preprocess=preprocess,
-    )
+    return model

@@ -45,7 +45,7 @@ def _modalities(config: EncoderConfig) -> tuple[Modality, ...]:
     # The null model takes anything; the Qwen2-VL family encodes images and videos.
     if config.model == "null":
         return tuple(Modality)
-    from ...models._audio_loading import is_audio_model
+    from ...models._loading import is_audio_model
 
     if is_audio_model(config.model):  # Qwen2-Audio / Qwen2.5-Omni encoders: audio alone
         return (Modality.AUDIO,)

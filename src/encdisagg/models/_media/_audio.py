@@ -26,9 +26,9 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from .._errors import BadRequestError
-from ._media_bytes import item_bytes
-from ._media_policy import MediaPolicy, item_label
+from ..._errors import BadRequestError
+from ._bytes import item_bytes
+from ._policy import MediaPolicy, item_label
 
 __all__ = [
     "MIN_AUDIO_SAMPLE_RATE",

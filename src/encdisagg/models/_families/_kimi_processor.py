@@ -25,7 +25,7 @@ from transformers.image_utils import PILImageResampling, SizeDict
 from transformers.processing_utils import ImagesKwargs
 from transformers.utils.constants import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD
 
-from ._media_limits import ResizeRule
+from .._media._limits import ResizeRule
 
 __all__ = ["KimiResizeRule", "Kimi_K25ImageProcessorPil", "navit_size"]
 

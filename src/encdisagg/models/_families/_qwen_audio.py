@@ -28,23 +28,20 @@ import torch
 from transformers import PreTrainedModel, WhisperFeatureExtractor
 from transformers.masking_utils import create_bidirectional_mask
 
-from .._errors import BadRequestError, InternalError
-from .._modality import Modality
-from ._audio_media import AudioBudget, AudioRules, load_audio
-from ._grids import audio_output_length
-from ._media_limits import MediaLimits
-from ._media_policy import MediaPolicy, item_label
-from ._protocol import Preprocessed
+from ..._errors import BadRequestError, InternalError
+from ..._modality import Modality
+from .._grids import audio_output_length
+from .._media._audio import AudioBudget, AudioRules, load_audio
+from .._media._limits import MediaLimits
+from .._media._policy import MediaPolicy, item_label
+from .._protocol import Preprocessed
 from ._tower import (
     PerThread,
     TowerModel,
     architecture_json,
     checked_request,
     content_key,
-    empty_embedding,
-    gather_features,
     identity_digest,
-    owned_pieces,
     settings_json,
     state_digest,
 )
@@ -98,6 +95,9 @@ class QwenAudioModel(TowerModel):
     :raises BadRequestError: naming ``model`` for an unsupported encoder, a missing
         projector, or a feature extractor that does not fit the encoder.
     """
+
+    _feature_keys = (INPUT_FEATURES, FEATURE_LENGTHS)
+    _MODALITIES = frozenset({Modality.AUDIO})
 
     def __init__(
         self,
@@ -169,11 +169,6 @@ class QwenAudioModel(TowerModel):
         return self._family
 
     @property
-    def hidden_size(self) -> int:
-        """Width of the embeddings: the LLM's hidden size."""
-        return self._hidden_size
-
-    @property
     def sampling_rate(self) -> int:
         """The rate items are resampled to, in Hz."""
         return self._sampling_rate
@@ -187,11 +182,6 @@ class QwenAudioModel(TowerModel):
     def window_seconds(self) -> float:
         """The longest item the model encodes: the extractor's window, in seconds."""
         return self._window_seconds
-
-    @property
-    def modalities(self) -> frozenset[Modality]:
-        """The modalities ``preprocess`` accepts."""
-        return frozenset({Modality.AUDIO})
 
     @property
     def encoder(self) -> PreTrainedModel:
@@ -289,33 +279,17 @@ class QwenAudioModel(TowerModel):
 
     # --- forward ------------------------------------------------------------------------
 
-    def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
-        """Encode a batch in one fused encoder call; one ``[tokens, hidden_size]`` tensor
-        per element, on :attr:`device` in :attr:`dtype`. Blocks on the encoder's compute.
-
-        :raises InternalError: if an element lacks this model's features, or the encoder
-            produced a different number of tokens than the elements' ``token_counts``.
-        """
-        if not batch:
-            return []
-        keys = (INPUT_FEATURES, FEATURE_LENGTHS)
-        totals, values, lengths = gather_features(batch, keys, self._name)
-        if not values:
-            return [empty_embedding(self._hidden_size, self.dtype, self.device) for _ in batch]
-        frame_counts = torch.cat(lengths).to(self.device)
-        with torch.inference_mode():
-            if self._family == "qwen2_audio":
-                rows = self._qwen2_audio(torch.cat(values), frame_counts)
-            else:
-                conv_lengths = (frame_counts - 1) // 2 + 1
-                output = self._encoder(
-                    torch.cat(values, dim=1).to(self.device, self.dtype),
-                    feature_lens=frame_counts,
-                    aftercnn_lens=conv_lengths,
-                )
-                rows = output.last_hidden_state
-        # Split and cloned outside inference mode: ordinary tensors with their own storage.
-        return owned_pieces(rows, totals, self._hidden_size)
+    def _encode(self, firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> torch.Tensor:
+        frame_counts = torch.cat(seconds).to(self.device)
+        if self._family == "qwen2_audio":
+            return self._qwen2_audio(torch.cat(firsts), frame_counts)
+        output = self._encoder(
+            torch.cat(firsts, dim=1).to(self.device, self.dtype),
+            feature_lens=frame_counts,
+            aftercnn_lens=(frame_counts - 1) // 2 + 1,
+        )
+        rows: torch.Tensor = output.last_hidden_state
+        return rows
 
     def _qwen2_audio(self, values: torch.Tensor, frame_counts: torch.Tensor) -> torch.Tensor:
         """The rows ``Qwen2AudioModel`` scatters into the prompt: the encoder over padded

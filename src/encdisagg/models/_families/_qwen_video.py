@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 from PIL import Image
 
-from .._errors import BadRequestError
+from ..._errors import BadRequestError
 
 if TYPE_CHECKING:
     from transformers import Qwen2VLImageProcessorPil

@@ -26,7 +26,7 @@ from transformers.models.qwen2_5_omni import (
     Qwen2_5OmniThinkerForConditionalGeneration,
 )
 
-from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
+from ._seed import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, VISION_TOKEN_IDS, seeded_build, text_config
 
 __all__ = [
     "TINY_AUDIO_TOKEN_ID",
@@ -39,8 +39,6 @@ __all__ = [
 
 #: The audio placeholder id inside the tiny models' 512-token vocabulary.
 TINY_AUDIO_TOKEN_ID = 504
-_IMAGE_TOKEN_ID = 500
-_VIDEO_TOKEN_ID = 501
 
 
 def _audio_encoder() -> dict[str, Any]:
@@ -51,21 +49,6 @@ def _audio_encoder() -> dict[str, Any]:
         "encoder_ffn_dim": 64,
         "d_model": 32,
         "max_source_positions": 1500,
-    }
-
-
-def _text(**extra: Any) -> dict[str, Any]:
-    return {
-        "vocab_size": 512,
-        "hidden_size": TINY_TEXT_HIDDEN_SIZE,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        **extra,
     }
 
 
@@ -80,7 +63,7 @@ def tiny_qwen2_audio_config() -> Qwen2AudioConfig:
     whose projector feeds a 2-layer, 64-wide Qwen2 text model; audio token id 504."""
     return Qwen2AudioConfig(
         audio_config=_audio_encoder(),
-        text_config=_text(),
+        text_config=text_config(),
         audio_token_index=TINY_AUDIO_TOKEN_ID,
     )
 
@@ -102,10 +85,10 @@ def tiny_qwen2_5_omni_thinker_config() -> Qwen2_5OmniThinkerConfig:
     return Qwen2_5OmniThinkerConfig(
         audio_config={**_audio_encoder(), "n_window": 100, "output_dim": TINY_TEXT_HIDDEN_SIZE},
         vision_config=vision,
-        text_config=_text(rope_parameters=rope),
+        text_config=text_config(rope_parameters=rope),
         audio_token_index=TINY_AUDIO_TOKEN_ID,
-        image_token_index=_IMAGE_TOKEN_ID,
-        video_token_index=_VIDEO_TOKEN_ID,
+        image_token_index=VISION_TOKEN_IDS["image_token_id"],
+        video_token_index=VISION_TOKEN_IDS["video_token_id"],
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._errors import BadRequestError
+from ..._errors import BadRequestError
 
 __all__ = [
     "DEFAULT_MAX_MEDIA_BYTES",

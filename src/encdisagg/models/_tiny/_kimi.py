@@ -12,8 +12,8 @@ from typing import Any
 
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
 
-from ._kimi import KimiK25VisionEncoder
-from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
+from .._families._kimi import KimiK25VisionEncoder
+from ._seed import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
 
 __all__ = ["build_tiny_kimi_k25", "tiny_kimi_k25_config"]
 

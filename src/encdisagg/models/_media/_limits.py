@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .._errors import BadRequestError
+from ..._errors import BadRequestError
 
 __all__ = [
     "DEFAULT_MAX_AUDIO_CHANNELS",

@@ -13,10 +13,8 @@ they were initialised with.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -24,60 +22,19 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
 )
 
+from ._seed import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, VISION_TOKEN_IDS, seeded_build, text_config
+
 __all__ = [
-    "TINY_SEED",
-    "TINY_TEXT_HIDDEN_SIZE",
     "build_tiny_qwen2_5_vl",
     "build_tiny_qwen2_vl",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen2_vl_config",
 ]
 
-TINY_SEED = 0
-TINY_TEXT_HIDDEN_SIZE = 64
-
-# Special token ids inside the 512-token vocabulary (the real models' ids lie far above it).
-_IMAGE_TOKEN_ID = 500
-_VIDEO_TOKEN_ID = 501
-_VISION_START_TOKEN_ID = 502
-_VISION_END_TOKEN_ID = 503
-_BOS_TOKEN_ID = 1
-_EOS_TOKEN_ID = 2
-_PAD_TOKEN_ID = 0
-
-
-_M = TypeVar("_M", bound=torch.nn.Module)
-
-
-def seeded_build(build: Callable[[], _M], seed: int) -> _M:
-    """``build()`` under torch seed ``seed``, in eval mode. Blocks on the build.
-
-    The global torch RNG state is saved and restored around the build, so callers' random
-    streams are undisturbed; the build itself must not race with other users of the global
-    CPU generator in other threads.
-    """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = build()
-    module: torch.nn.Module = model
-    module.train(False)  # Module.eval via the base class, whose annotations mypy sees
-    return model
-
 
 def _text_config() -> dict[str, Any]:
-    return {
-        "vocab_size": 512,
-        "hidden_size": TINY_TEXT_HIDDEN_SIZE,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        # Multimodal RoPE over (t, h, w); the sections sum to head_dim / 2 = 8.
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "bos_token_id": _BOS_TOKEN_ID,
-        "eos_token_id": _EOS_TOKEN_ID,
-        "pad_token_id": _PAD_TOKEN_ID,
-    }
+    # Multimodal RoPE over (t, h, w); the sections sum to head_dim / 2 = 8.
+    return text_config(rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
 
 
 def tiny_qwen2_vl_config() -> Qwen2VLConfig:
@@ -88,14 +45,7 @@ def tiny_qwen2_vl_config() -> Qwen2VLConfig:
     vision start/end 502/503, bos 1, eos 2, pad 0. Returns a fresh object on every call.
     """
     vision = {"depth": 2, "embed_dim": 64, "hidden_size": 64, "num_heads": 4, "mlp_ratio": 2}
-    return Qwen2VLConfig(
-        text_config=_text_config(),
-        vision_config=vision,
-        image_token_id=_IMAGE_TOKEN_ID,
-        video_token_id=_VIDEO_TOKEN_ID,
-        vision_start_token_id=_VISION_START_TOKEN_ID,
-        vision_end_token_id=_VISION_END_TOKEN_ID,
-    )
+    return Qwen2VLConfig(text_config=_text_config(), vision_config=vision, **VISION_TOKEN_IDS)
 
 
 def tiny_qwen2_5_vl_config() -> Qwen2_5_VLConfig:
@@ -112,14 +62,7 @@ def tiny_qwen2_5_vl_config() -> Qwen2_5_VLConfig:
         "out_hidden_size": TINY_TEXT_HIDDEN_SIZE,
         "fullatt_block_indexes": [1],
     }
-    return Qwen2_5_VLConfig(
-        text_config=_text_config(),
-        vision_config=vision,
-        image_token_id=_IMAGE_TOKEN_ID,
-        video_token_id=_VIDEO_TOKEN_ID,
-        vision_start_token_id=_VISION_START_TOKEN_ID,
-        vision_end_token_id=_VISION_END_TOKEN_ID,
-    )
+    return Qwen2_5_VLConfig(text_config=_text_config(), vision_config=vision, **VISION_TOKEN_IDS)
 
 
 def build_tiny_qwen2_vl(*, seed: int = TINY_SEED) -> Qwen2VLForConditionalGeneration:

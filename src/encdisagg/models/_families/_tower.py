@@ -12,19 +12,20 @@ import hashlib
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar
 
 import torch
 
-from .._errors import BadRequestError, InternalError
-from .._modality import Modality
-from ._media_limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
-from ._media_policy import item_label
-from ._protocol import Preprocessed, split_embedding
+from ..._errors import BadRequestError, InternalError
+from ..._modality import Modality
+from .._media._limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
+from .._media._policy import item_label
+from .._protocol import Preprocessed, split_embedding
 
 if TYPE_CHECKING:
     from PIL import Image
 
+    from ..._video_timing import VideoTiming
     from ._fast_pixels import FastPixels
 
 __all__ = [
@@ -34,11 +35,8 @@ __all__ = [
     "architecture_json",
     "checked_request",
     "content_key",
-    "empty_embedding",
-    "gather_features",
     "identity_digest",
     "image_patches",
-    "owned_pieces",
     "pixel_budget",
     "pixels_key",
     "settings_json",
@@ -192,66 +190,21 @@ def image_patches(processor: Any, image: Image.Image, index: int) -> tuple[Any, 
     return out["pixel_values"], out["image_grid_thw"]
 
 
-def gather_features(
-    batch: Sequence[Preprocessed], keys: tuple[str, str], name: str
-) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
-    """Each element's token total, and the two feature tensors ``keys`` name of every
-    element with tokens, in batch order. Does not block.
-
-    :raises InternalError: if an element with tokens lacks either feature.
-    """
-    first_key, second_key = keys
-    totals: list[int] = []
-    firsts: list[torch.Tensor] = []
-    seconds: list[torch.Tensor] = []
-    for number, element in enumerate(batch):
-        totals.append(element.num_tokens)
-        if not element.token_counts:
-            continue
-        first = element.features.get(first_key)
-        second = element.features.get(second_key)
-        if not isinstance(first, torch.Tensor) or not isinstance(second, torch.Tensor):
-            raise InternalError(
-                f"batch[{number}] has no {first_key}/{second_key} features; "
-                f"it was not preprocessed by model {name!r}"
-            )
-        firsts.append(first)
-        seconds.append(second)
-    return totals, firsts, seconds
-
-
-def owned_pieces(
-    rows: torch.Tensor, totals: Sequence[int], width: int | None = None
-) -> list[torch.Tensor]:
-    """``rows`` split into one piece per element, each a tensor of its own. Blocks on the
-    copies.
-
-    :raises InternalError: if ``rows`` does not have ``sum(totals)`` rows, or (given
-        ``width``) is not ``width`` wide.
-    """
-    pieces = split_embedding(rows, totals)
-    if width is not None and rows.shape[1] != width:
-        raise InternalError(f"Encoder produced {rows.shape[1]}-wide tokens, expected {width}")
-    # Cloning outside inference mode gives ordinary tensors (inference tensors refuse
-    # in-place updates anywhere else), each with its own storage, so staging or freeing
-    # one request's embedding neither keeps its batch-mates' memory alive nor aliases it.
-    return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
-
-
-def empty_embedding(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The ``[0, width]`` embedding of an element without tokens. Does not block."""
-    return torch.empty((0, width), dtype=dtype, device=device)
-
-
 class TowerModel:
-    """The properties every adapter has in common; a subclass sets ``_name``,
-    ``_identity``, ``_limits`` and ``_weights`` (the module whose dtype and device the
-    embeddings have) in its constructor."""
+    """What every adapter has in common: its properties, ``forward`` and the result of an
+    image family's ``preprocess``. A subclass sets ``_name``, ``_identity``, ``_limits``,
+    ``_hidden_size`` and ``_weights`` (the module whose dtype and device the embeddings have)
+    in its constructor, names its two feature tensors in ``_feature_keys`` and defines
+    ``_encode``."""
 
     _name: str
     _identity: str
     _limits: MediaLimits
+    _hidden_size: int
     _weights: Any
+    #: The keys of ``Preprocessed.features`` ``preprocess`` writes and ``forward`` reads.
+    _feature_keys: tuple[str, str]
+    _MODALITIES: ClassVar[frozenset[Modality]]
     #: The fast image path, or ``None`` where the processor itself runs (``"reference"``).
     _pixels: FastPixels | None
 
@@ -264,9 +217,20 @@ class TowerModel:
         return self._name
 
     @property
+    def modalities(self) -> frozenset[Modality]:
+        """The modalities ``preprocess`` accepts."""
+        return self._MODALITIES
+
+    @property
     def identity(self) -> str:
         """sha256 over the architecture, processor settings and weights; part of cache keys."""
         return self._identity
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of every embedding row: the language model's hidden size (times the
+        sections of :attr:`embedding_layout`, where a model has one)."""
+        return self._hidden_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -289,3 +253,76 @@ class TowerModel:
     def media_limits(self) -> MediaLimits:
         """The budgets ``preprocess`` applies when its caller passes none."""
         return self._limits
+
+    def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
+        """Encode a batch in one fused call of the model; one ``[tokens, hidden_size]``
+        tensor per element, on :attr:`device` in :attr:`dtype`. Blocks on the compute.
+
+        :raises InternalError: if an element lacks this model's features, or the model
+            produced other token counts or widths than the elements' ``token_counts``.
+        """
+        totals: list[int] = []
+        firsts: list[torch.Tensor] = []
+        seconds: list[torch.Tensor] = []
+        for number, element in enumerate(batch):
+            totals.append(element.num_tokens)
+            if not element.token_counts:
+                continue
+            first, second = (element.features.get(key) for key in self._feature_keys)
+            if not isinstance(first, torch.Tensor) or not isinstance(second, torch.Tensor):
+                raise InternalError(
+                    f"batch[{number}] has no {'/'.join(self._feature_keys)} features; "
+                    f"it was not preprocessed by model {self._name!r}"
+                )
+            firsts.append(first)
+            seconds.append(second)
+        if not firsts:  # no element has tokens
+            width, dtype, device = self._hidden_size, self.dtype, self.device
+            return [torch.empty((0, width), dtype=dtype, device=device) for _ in batch]
+        with torch.inference_mode():
+            rows = self._encode(firsts, seconds)
+        pieces = split_embedding(rows, totals)
+        if rows.shape[1] != self._hidden_size:
+            raise InternalError(
+                f"Encoder produced {rows.shape[1]}-wide tokens, expected {self._hidden_size}"
+            )
+        # Cloned outside inference mode: ordinary tensors (inference tensors refuse in-place
+        # updates anywhere else), each with its own storage, so staging or freeing one
+        # request's embedding neither keeps its batch-mates' memory alive nor aliases it.
+        return [piece.clone(memory_format=torch.contiguous_format) for piece in pieces]
+
+    def _encode(self, firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> torch.Tensor:
+        """The ``[tokens, hidden_size]`` rows of the elements whose features are ``firsts``
+        and ``seconds``, one element after the other. Runs in inference mode."""
+        raise NotImplementedError
+
+    def _image_result(
+        self,
+        pixel_values: list[torch.Tensor],
+        grids: list[torch.Tensor],
+        sources: list[torch.Tensor],
+        tokens: Callable[[tuple[int, ...]], int],
+        video_timing: tuple[VideoTiming, ...] | None = None,
+    ) -> Preprocessed:
+        """An image family's preprocessed request: each item's ``pixel_values`` and grid
+        joined, ``tokens`` of each grid row, and the cache key (over ``sources``, the fast
+        path's resized pixels, where the fast path ran). Blocks on hashing."""
+        if not grids:
+            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
+        grid = torch.cat(grids)
+        rows = tuple(tuple(int(size) for size in row) for row in grid.tolist())
+        token_counts = tuple(tokens(row) for row in rows)
+        # One item's tensor as it is: a copy of it would cost as much as making it.
+        values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values)
+        features = dict(zip(self._feature_keys, (values, grid), strict=True))
+        if self._pixels is None:
+            cache_key = content_key(self._identity, features, rows)
+        else:
+            cache_key = pixels_key(self._identity, sources, rows)
+        return Preprocessed(
+            token_counts=token_counts,
+            grid=rows,
+            features=features,
+            cache_key=cache_key,
+            video_timing=video_timing,
+        )

@@ -18,8 +18,8 @@ from http.client import HTTPMessage
 from pathlib import Path
 from typing import IO
 
-from .._errors import BadRequestError
-from ._media_policy import MediaPolicy
+from ..._errors import BadRequestError
+from ._policy import MediaPolicy
 
 __all__ = ["item_bytes"]
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .._config import PREPROCESS_MODES
-from .._errors import BadRequestError
+from ..._config import PREPROCESS_MODES
+from ..._errors import BadRequestError
 
 __all__ = ["PREPROCESS_MODES", "FastPixels", "check_mode", "fast_pixels"]
 

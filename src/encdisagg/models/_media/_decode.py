@@ -16,10 +16,10 @@ import re
 
 from PIL import Image, UnidentifiedImageError
 
-from .._errors import BadRequestError
-from ._media_bytes import item_bytes
-from ._media_limits import PixelBudget
-from ._media_policy import (
+from ..._errors import BadRequestError
+from ._bytes import item_bytes
+from ._limits import PixelBudget
+from ._policy import (
     DEFAULT_MAX_MEDIA_BYTES,
     DEFAULT_MAX_VIDEO_FRAMES,
     VIDEO_FILE_FPS,
@@ -131,6 +131,24 @@ def _even_indices(count: int, keep: int) -> list[int]:
     return [int(i * step) for i in range(keep)]
 
 
+def _frame_plan(
+    budget: PixelBudget | None, label: str, keep: int, width: int, height: int
+) -> tuple[int, int]:
+    """``(frames to keep, pixels of each)`` of a video whose frames are ``width`` x
+    ``height``: at most ``keep``, fewer where ``budget`` holds fewer.
+
+    :raises BadRequestError: naming ``label`` for a frame size over the budget.
+    """
+    if budget is None:
+        return keep, 0
+    budget.check_source(label, width, height)
+    frame_pixels = budget.frame_cost(label, width, height, video=True)
+    keep = budget.frames_that_fit(
+        label, keep, frame_pixels=frame_pixels, source_pixels=width * height
+    )
+    return keep, frame_pixels
+
+
 def _sampled_frames(
     image: Image.Image, label: str, policy: MediaPolicy, budget: PixelBudget | None
 ) -> list[Image.Image]:
@@ -138,14 +156,9 @@ def _sampled_frames(
     frames are converted (and kept); the others are passed over on the way."""
     count = int(getattr(image, "n_frames", 1))  # from the file's frame headers
     width, height = image.size
-    keep = min(count, policy.max_video_frames)
-    frame_pixels = 0
-    if budget is not None:
-        budget.check_source(label, width, height)
-        frame_pixels = budget.frame_cost(label, width, height, video=True)
-        keep = budget.frames_that_fit(
-            label, keep, frame_pixels=frame_pixels, source_pixels=width * height
-        )
+    keep, frame_pixels = _frame_plan(
+        budget, label, min(count, policy.max_video_frames), *image.size
+    )
     indices = _even_indices(count, keep)
     if budget is not None:
         budget.check_video_walk(label, indices[-1] + 1, width, height)
@@ -171,19 +184,17 @@ def _pyav_frames(
     times: list[float] = []  # each kept frame's presentation time, in seconds
     interval = 1.0 / VIDEO_FILE_FPS
     next_time = 0.0
-    keep = policy.max_video_frames
-    frame_pixels = 0
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = container.streams.video[0]
-            if budget is not None:
-                # The codec's frame size, known from the stream headers before decoding.
-                width, height = int(stream.codec_context.width), int(stream.codec_context.height)
-                budget.check_source(label, width, height)
-                frame_pixels = budget.frame_cost(label, width, height, video=True)
-                keep = budget.frames_that_fit(
-                    label, keep, frame_pixels=frame_pixels, source_pixels=width * height
-                )
+            # The codec's frame size, known from the stream headers before decoding.
+            keep, frame_pixels = _frame_plan(
+                budget,
+                label,
+                policy.max_video_frames,
+                int(stream.codec_context.width),
+                int(stream.codec_context.height),
+            )
             for frame in container.decode(stream):
                 when = float(frame.time) if frame.time is not None else next_time
                 if when + 1e-9 < next_time:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Final
 
-from .._errors import BadRequestError
-from ._media_policy import item_label
+from ..._errors import BadRequestError
+from ._policy import item_label
 
 __all__ = ["video_source"]
 

@@ -24,27 +24,22 @@ from transformers.models.kimi_k25.modeling_kimi_k25 import (
     Kimi_K25VisionModel,
 )
 
-from .._errors import BadRequestError, InternalError
-from .._modality import Modality
+from ..._errors import BadRequestError, InternalError
+from ..._modality import Modality
+from .._grids import kimi_grid_tokens
+from .._media._decode import MediaPolicy, load_image
+from .._media._limits import MediaLimits
+from .._protocol import Preprocessed
 from ._fast_pixels import FastPixels, fast_pixels
-from ._grids import kimi_grid_tokens
 from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule, navit_size
-from ._media import MediaPolicy, load_image
-from ._media_limits import MediaLimits
-from ._protocol import Preprocessed
 from ._tower import (
     PROVENANCE_KEYS,
     PerThread,
     TowerModel,
     checked_request,
-    content_key,
-    empty_embedding,
-    gather_features,
     identity_digest,
     image_patches,
-    owned_pieces,
     pixel_budget,
-    pixels_key,
     settings_json,
     state_digest,
 )
@@ -115,6 +110,9 @@ class KimiVisionModel(TowerModel):
         not match the tower's; ``preprocess`` for another mode.
     """
 
+    _feature_keys = (PIXEL_VALUES, GRID_THWS)
+    _MODALITIES = frozenset({Modality.IMAGE})
+
     def __init__(
         self,
         encoder: KimiK25VisionEncoder,
@@ -170,19 +168,9 @@ class KimiVisionModel(TowerModel):
     # --- identity and shape -------------------------------------------------------------
 
     @property
-    def hidden_size(self) -> int:
-        """Width of the embeddings: the projector's output, the text model's hidden size."""
-        return self._hidden_size
-
-    @property
     def merge_kernel_size(self) -> tuple[int, int]:
         """Patches pooled into one token along height and width."""
         return self._merge_kernel
-
-    @property
-    def modalities(self) -> frozenset[Modality]:
-        """The modalities ``preprocess`` accepts."""
-        return frozenset({Modality.IMAGE})
 
     @property
     def tower(self) -> KimiK25VisionEncoder:
@@ -231,27 +219,13 @@ class KimiVisionModel(TowerModel):
                 sources.append(source)
             pixel_values.append(values)
             grids.append(grid)
-        if not grids:
-            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
-        grid_thws = torch.cat(grids)
-        rows = tuple(tuple(int(size) for size in row) for row in grid_thws.tolist())
+        return self._image_result(pixel_values, grids, sources, self._tokens)
+
+    def _tokens(self, row: tuple[int, ...]) -> int:
         try:
-            token_counts = tuple(kimi_grid_tokens(row, self._merge_kernel) for row in rows)
+            return kimi_grid_tokens(row, self._merge_kernel)
         except ValueError as exc:  # a processor whose padding disagrees with the tower
             raise InternalError(f"model {self._name!r}: {exc}") from exc
-        # One item's tensor as it is: a copy of it would cost as much as making it.
-        values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values)
-        features = {PIXEL_VALUES: values, GRID_THWS: grid_thws}
-        if self._pixels is None:
-            cache_key = content_key(self._identity, features, rows)
-        else:
-            cache_key = pixels_key(self._identity, sources, rows)
-        return Preprocessed(
-            token_counts=token_counts,
-            grid=rows,
-            features=features,
-            cache_key=cache_key,
-        )
 
     def _fast_image(
         self, pixels: FastPixels, image: Image.Image
@@ -272,27 +246,11 @@ class KimiVisionModel(TowerModel):
         grid = torch.tensor([[1, padded[0] // patch, padded[1] // patch]], dtype=torch.int64)
         return values, grid, canvas
 
-    # --- forward ------------------------------------------------------------------------
-
-    def forward(self, batch: Sequence[Preprocessed]) -> list[torch.Tensor]:
-        """Encode a batch in one fused call; one ``[tokens, hidden_size]`` tensor per
-        element, on :attr:`device` in :attr:`dtype`. Blocks on the encoder's compute.
-
-        :raises InternalError: if an element lacks this model's features, or the encoder
-            produced a different number of tokens than the elements' ``token_counts``.
-        """
-        if not batch:
-            return []
-        totals, pixel_values, grids = gather_features(batch, (PIXEL_VALUES, GRID_THWS), self._name)
-        if not grids:
-            return [empty_embedding(self._hidden_size, self.dtype, self.device) for _ in batch]
-        with torch.inference_mode():
-            rows: torch.Tensor = self._encoder(
-                torch.cat(pixel_values).to(self.device, self.dtype),
-                torch.cat(grids).to(self.device),
-            )
-        # Split and cloned outside inference mode: ordinary tensors with their own storage.
-        return owned_pieces(rows, totals, self._hidden_size)
+    def _encode(self, firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> torch.Tensor:
+        rows: torch.Tensor = self._encoder(
+            torch.cat(firsts).to(self.device, self.dtype), torch.cat(seconds).to(self.device)
+        )
+        return rows
 
     # --- checkpoints --------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from ._tiny import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, seeded_build
+from ._seed import TINY_SEED, TINY_TEXT_HIDDEN_SIZE, VISION_TOKEN_IDS, seeded_build, text_config
 
 __all__ = [
     "QWEN3_VL_IMAGE_PROCESSOR",
@@ -42,12 +42,6 @@ QWEN3_VL_IMAGE_PROCESSOR: Final[dict[str, Any]] = {
     "size": {"shortest_edge": 65536, "longest_edge": 16777216},
 }
 
-# Special token ids inside the 512-token vocabulary, as for the other tiny models.
-_IMAGE_TOKEN_ID = 500
-_VIDEO_TOKEN_ID = 501
-_VISION_START_TOKEN_ID = 502
-_VISION_END_TOKEN_ID = 503
-
 
 def qwen3_vl_image_processor() -> Qwen2VLImageProcessorPil:
     """The Pil image processor with Qwen3-VL's settings (a fresh object on every call).
@@ -66,25 +60,14 @@ def tiny_qwen3_vl_config() -> Qwen3VLConfig:
     head_dim 16, interleaved M-RoPE. Image token id 500, video 501, vision start/end 502/503,
     bos 1, eos 2, pad 0. Returns a fresh object on every call.
     """
-    text = {
-        "vocab_size": 512,
-        "hidden_size": TINY_TEXT_HIDDEN_SIZE,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        # The sections sum to head_dim / 2 = 8; Qwen3-VL interleaves them.
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True,
-        },
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
+    # The sections sum to head_dim / 2 = 8; Qwen3-VL interleaves them.
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True,
     }
+    text = text_config(head_dim=16, rope_parameters=rope)
     vision = {
         "depth": 3,
         "hidden_size": 64,
@@ -94,14 +77,7 @@ def tiny_qwen3_vl_config() -> Qwen3VLConfig:
         "num_position_embeddings": 64,
         "deepstack_visual_indexes": list(range(TINY_QWEN3_VL_DEEPSTACK_LAYERS)),
     }
-    return Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=_IMAGE_TOKEN_ID,
-        video_token_id=_VIDEO_TOKEN_ID,
-        vision_start_token_id=_VISION_START_TOKEN_ID,
-        vision_end_token_id=_VISION_END_TOKEN_ID,
-    )
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **VISION_TOKEN_IDS)
 
 
 def build_tiny_qwen3_vl(*, seed: int = TINY_SEED) -> Qwen3VLForConditionalGeneration:

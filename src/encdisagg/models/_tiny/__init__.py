@@ -1,0 +1,2 @@
+"""The seeded, randomly initialised tiny models: real architectures and processors, tiny
+widths."""
