@@ -1,11 +1,11 @@
-"""How the SGLang wire gets a staged part's bytes: the Encoder's own push, to a loopback
-socket bound for that one part.
+"""How the vLLM wire's shared-storage connector gets a staged part's bytes into this
+process: the Encoder's own push, to a loopback socket bound for that one part.
 
 The Encoder (or a data-parallel worker) counts the loopback socket as the part's one
 destination, pushes ``[our header, bytes]`` there as to any receiver, and releases the part
-once ZMQ let go of it; the SGLang wire then re-frames the bytes with SGLang's header. The
-same path serves one Encoder and data-parallel workers alike, and the Encoder's staged-memory
-ownership is untouched: the part is freed by its own scope, after its push.
+once ZMQ let go of it; the connector then writes the bytes as a file. The same path serves
+one Encoder and data-parallel workers alike, and the Encoder's staged-memory ownership is
+untouched: the part is freed by its own scope, after its push.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .._messages import SendBody
 
 __all__ = ["relay_staged"]
 
-_log = logging.getLogger("encdisagg.server.sglang")
+_log = logging.getLogger("encdisagg.server.vllm")
 
 
 async def relay_staged(
