@@ -51,8 +51,9 @@ from ...encoder import Encoder, EncodeResult, ZmqDestination
 from ...encoder._types import SglangZmqDestination
 from ...models._checkpoint import model_type_of
 from ...nurseries import run_thread_to_completion
+from ...transfer import ZmqPushPool
 from ...transfer._sglang_frames import SglangPart, sglang_header
-from ...transfer._sglang_push import SglangPusher
+from ...transfer._zmq import ForeignHeader
 from .._access import PeerAllowList
 from .._backend import Backend, LocalBackend
 from .._client_watch import note_staged
@@ -86,9 +87,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
     """SGLang's encoder calls (``/encode``, ``/send``, ``/scheduler_receive_url``,
     ``/scheduler_receive_meta_data``) served by one running Encoder or backend.
 
-    ``async with SglangService(encoder_or_backend) as sglang:`` opens the ZMQ context its
-    error parts and completion notices use; leaving waits (bounded) for those ZMQ is still
-    writing. The Encoder (or
+    ``async with SglangService(encoder_or_backend) as sglang:`` opens the push pool its
+    error parts and completion notices go through; leaving closes it. The Encoder (or
     backend) must be open while calls are made; this service never opens or closes it.
 
     :param source: a running :class:`~encdisagg.Encoder`, or a server backend.
@@ -116,7 +116,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
         self._backend = source
         self._config = config
         self._peers = peers
-        self._pusher = SglangPusher(send_timeout_s=config.zmq_send_timeout_s)
+        # Error parts and completion notices: headers alone, no staged memory.
+        self._pushes = ZmqPushPool(send_timeout_s=config.zmq_send_timeout_s)
         self._open = False
         self._destinations = PushDestinations(
             ttl_s=config.request_timeout_s + config.send_timeout_s
@@ -137,7 +138,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
     async def __asynccontextmanager__(self) -> AsyncGenerator[SglangService]:
         model_type = await run_thread_to_completion(model_type_of, self._config.model)
         self._video_fields = video_fields(model_type)
-        async with self._pusher:
+        async with self._pushes:
             self._open = True
             try:
                 yield self
@@ -299,9 +300,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
             self._mooncake_parts.pop(req_id, None)
         part = self._part(req_id, info.num_parts, message.part_idx, info.modality, result)
         try:
-            await self._pusher.push(
-                message.notice_url, [sglang_header(part)], what=f"completion notice of {req_id!r}"
-            )
+            await self._pushes.send(message.notice_url, _frame(part), None)
         except TransferError as exc:
             # The bytes landed, but this rank will not know: it fails at its own timeout.
             raise InternalError(exc.message, req_id=req_id) from None
@@ -422,7 +421,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
             num_parts = message.encode.num_parts
             part_idx = message.encode.part_idx
             modality = message.modality
-        header = sglang_header(
+        header = _frame(
             SglangPart(
                 req_id=req_id,
                 num_parts=num_parts,
@@ -435,15 +434,13 @@ class SglangService(anyio.AsyncContextManagerMixin):
         )
 
         async def push(url: str) -> None:
-            try:
-                await self._pusher.push(
-                    url,
-                    [header],
-                    what=f"error part of {req_id!r}",
-                    timeout_s=min(_ERROR_PUSH_TIMEOUT_S, self._config.zmq_send_timeout_s),
-                )
-            except TransferError as exc:
-                _log.warning("could not push the error part of %s to %s: %s", req_id, url, exc)
+            error: object = "nobody took it in time"
+            with anyio.move_on_after(_ERROR_PUSH_TIMEOUT_S):
+                try:
+                    return await self._pushes.send(url, header, None)
+                except TransferError as exc:
+                    error = exc
+            _log.warning("could not push the error part of %s to %s: %s", req_id, url, error)
 
         async with anyio.create_task_group() as group:
             for url in urls:
@@ -477,3 +474,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
                 await self._backend.release(req_id)
         except EncdisaggError as exc:
             _log.warning("releasing %s failed: %s", req_id, exc)
+
+
+def _frame(part: SglangPart) -> ForeignHeader:
+    return ForeignHeader(part.req_id, part.part_idx, sglang_header(part))

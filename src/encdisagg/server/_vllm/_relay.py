@@ -11,20 +11,10 @@ untouched: the part is freed by its own scope, after its push.
 from __future__ import annotations
 
 import logging
-from typing import Final
 
 import anyio
 
-from ..._errors import (
-    BadRequestError,
-    EncdisaggError,
-    InternalError,
-    NotFoundError,
-    RequestNotActiveError,
-    RequestTimeoutError,
-    ServiceUnavailableError,
-    TransferError,
-)
+from ..._errors import BadRequestError, InternalError, TransferError
 from ...encoder import ZmqDestination
 from ...nurseries import collapse_single_error
 from ...transfer import ReceivedPart, ZmqReceiver
@@ -47,7 +37,7 @@ async def relay_staged(
     cancelled as the Encoder cancels any send: once its transfer stopped touching memory.
 
     :raises TransferError: nothing arrived in time.
-    :raises EncdisaggError: the backend's send failed, or the Encoder pushed an error part.
+    :raises EncdisaggError: the backend's send failed.
     """
     found: list[ReceivedPart] = []
     arrived = anyio.Event()
@@ -80,23 +70,6 @@ async def relay_staged(
         )
     part = found[0]
     if part.header.error is not None:
-        raise _error_of_status(part.header.status, part.header.error, req_id)
+        # A send delivers staged parts only (a failed encode raises instead): a broken promise.
+        raise InternalError(f"req_id {req_id!r}: the relay got an error part", req_id=req_id)
     return part
-
-
-_ERRORS_BY_STATUS: Final[dict[int, type[EncdisaggError]]] = {
-    error.status: error
-    for error in (
-        BadRequestError,
-        NotFoundError,
-        RequestNotActiveError,
-        RequestTimeoutError,
-        TransferError,
-        ServiceUnavailableError,
-    )
-}
-
-
-def _error_of_status(status: int | None, message: str, req_id: str) -> EncdisaggError:
-    """The error of our hierarchy an error part's status names."""
-    return _ERRORS_BY_STATUS.get(status or 500, InternalError)(message, req_id=req_id)
