@@ -89,7 +89,7 @@ async def test_a_rank_that_is_gone_fails_the_part_and_only_the_others_hear_of_it
                         "receive_url": rank.host_port,
                     }
                 )
-            with pytest.raises(TransferError, match="nobody took the message"):
+            with pytest.raises(TransferError, match=r"half_local_part_0.* timed out after 0\.5 s"):
                 await sglang.encode(sglang_encode_body("half"))
             assert encoder.stats().live_requests == 0
             data, data_frames = await alive.receive()

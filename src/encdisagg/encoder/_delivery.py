@@ -1,5 +1,8 @@
 """Delivery: one staged embedding to one destination (a Mooncake write or a ZMQ push).
 
+A push's header frame is chosen by its destination: our msgpack header, or the one an
+:class:`SglangZmqDestination` carries (SGLang's pickled ``EmbeddingData``).
+
 Callers run these inside a job of the request (``_table``), so the staged memory outlives
 every call here. A Mooncake write is one engine call: awaited on the event loop when the
 engine has a ``write_async`` (``MooncakeEngine``), inline when the engine says it does not
@@ -30,11 +33,12 @@ from ..transfer import (
     ZmqPushPool,
     payload_view,
 )
+from ..transfer._zmq import ForeignHeader
 from ._jobs import Job
 from ._regions import RegionOwner
 from ._staged import Staged
 from ._table import Phase, RequestRecord
-from ._types import Destination, MooncakeDestination
+from ._types import Destination, MooncakeDestination, SglangZmqDestination, ZmqDestination
 
 __all__ = ["Delivery"]
 
@@ -62,7 +66,7 @@ class Delivery:
         if isinstance(destination, MooncakeDestination):
             await self.write(job, destination)
         else:
-            await self.push(job, destination.url)
+            await self.push(job, destination)
 
     async def write(self, job: Job, destination: MooncakeDestination) -> None:
         """Write the staged embedding into ``destination``'s registered buffer.
@@ -139,13 +143,18 @@ class Delivery:
                 staged.nbytes,
             )
 
-    async def push(self, job: Job, url: str) -> None:
+    async def push(self, job: Job, destination: ZmqDestination) -> None:
         """Push the embedding (or the request's error part) to a ZMQ PULL endpoint."""
         record = job.record
-        header = _header(record, self._layout)
-        if record.trace is not None:
-            # The receiver's spans continue the trace of this push (its transfer span).
-            header = dataclasses.replace(header, traceparent=_traceparent(record.trace))
+        header: EmbeddingHeader | ForeignHeader
+        if isinstance(destination, SglangZmqDestination):
+            header = ForeignHeader(record.req_id, record.request.part_idx, destination.header)
+        else:
+            header = _header(record, self._layout)
+            if record.trace is not None:
+                # The receiver's spans continue the trace of this push (its transfer span).
+                header = dataclasses.replace(header, traceparent=_traceparent(record.trace))
+        url = destination.url
         payload = None
         on_still_held = None
         if record.phase is not Phase.FAILED:

@@ -359,7 +359,7 @@ class RequestLifecycle:
         try:
             with job:
                 if record.phase is Phase.FAILED:
-                    await self._delivery.push(job, url)
+                    await self._delivery.push(job, ZmqDestination(url))
                 else:
                     await self._deliver(job, ZmqDestination(url))
         except CutShort:

@@ -15,6 +15,7 @@ __all__ = [
     "EncodeResult",
     "EncoderStats",
     "MooncakeDestination",
+    "SglangZmqDestination",
     "ZmqDestination",
 ]
 
@@ -117,6 +118,15 @@ class ZmqDestination:
     def identity(self) -> str:
         """What counts as one destination for ``receive_count``."""
         return self.url
+
+
+@dataclass(frozen=True, slots=True)
+class SglangZmqDestination(ZmqDestination):
+    """A PULL endpoint of SGLang's language side: the push's header frame is ``header``
+    (SGLang's pickled ``EmbeddingData``, written by the SGLang wire), sent as is in place
+    of ours, before the raw bytes it describes."""
+
+    header: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

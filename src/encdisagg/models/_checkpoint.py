@@ -17,6 +17,7 @@ __all__ = [
     "cast_weights",
     "declared_dtype",
     "from_checkpoint",
+    "model_type_of",
     "move_to",
     "parse_dtype",
     "read_json",
@@ -105,6 +106,28 @@ def read_json(path: Path, name: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BadRequestError(f"model: {path.name} of {name!r} is not a JSON object")
     return data
+
+
+#: The built-in models' types.
+_BUILTIN_TYPES: Final[Mapping[str, str]] = {
+    "tiny": "qwen2_vl",
+    "tiny-qwen2.5-vl": "qwen2_5_vl",
+    "tiny-qwen3-vl": "qwen3_vl",
+    "tiny-kimi-k25": "kimi_k25",
+}
+
+
+def model_type_of(model: str) -> str | None:
+    """The ``model_type`` of a built-in name or a checkpoint folder's ``config.json``
+    (``None`` when unknown or unreadable). Blocks on one small read."""
+    if model in _BUILTIN_TYPES:
+        return _BUILTIN_TYPES[model]
+    try:
+        config = read_json(Path(model) / "config.json", model)
+    except BadRequestError:
+        return None
+    kind = config.get("model_type")
+    return kind if isinstance(kind, str) else None
 
 
 def require_preprocessor(folder: Path, name: str) -> None:

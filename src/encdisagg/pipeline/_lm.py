@@ -173,14 +173,17 @@ class LanguageModel:
         """
         from transformers import Qwen2VLForConditionalGeneration
 
+        from ..models._checkpoint import model_type_of
+
         model_class: Any = Qwen2VLForConditionalGeneration
-        if _model_type(path) in _QWEN3_VL_TYPES:
+        kind = model_type_of(str(path))
+        if kind in _QWEN3_VL_TYPES:
             from transformers import (
                 Qwen3VLForConditionalGeneration,
                 Qwen3VLMoeForConditionalGeneration,
             )
 
-            moe = _model_type(path) == "qwen3_vl_moe"
+            moe = kind == "qwen3_vl_moe"
             model_class = (
                 Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
             )
@@ -389,14 +392,3 @@ class LanguageModel:
                 **kwargs,
             )
         return [int(t) for t in out[0, ids.shape[1] :]]
-
-
-def _model_type(path: str | Path) -> object:
-    """The ``model_type`` of a checkpoint folder's ``config.json`` (``None`` if unreadable)."""
-    import json
-
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config.get("model_type") if isinstance(config, dict) else None

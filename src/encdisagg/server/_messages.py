@@ -22,6 +22,7 @@ from ..encoder import (
     MooncakeDestination,
     ZmqDestination,
 )
+from ..encoder._types import SglangZmqDestination
 from ._fields import MAX_TEXT_CHARS, Fields, type_name, zmq_url
 from ._json import INT_MAX
 
@@ -163,9 +164,15 @@ class SendBody:
     )
 
     @classmethod
-    def from_json(cls, body: object) -> Self:
-        """:raises BadRequestError: naming the first invalid field."""
-        fields = Fields(body, cls._FIELDS, "/send")
+    def from_json(cls, body: object, *, internal: bool = False) -> Self:
+        """:param internal: the data-parallel front's map, which may also carry the header
+            frame of a ZMQ push (``sglang_header``, SGLang's); ``POST /send`` refuses it as
+            an unknown field.
+
+        :raises BadRequestError: naming the first invalid field.
+        """
+        allowed = cls._FIELDS | {"sglang_header"} if internal else cls._FIELDS
+        fields = Fields(body, allowed, "/send")
         req_id = fields.req_id_field()
         for name in ("part_idx", "embedding_size", "embedding_len", "embedding_dim"):
             fields.integer(name, required=False, minimum=0)
@@ -181,6 +188,11 @@ class SendBody:
             url = fields.text("receive_url")
             assert url is not None
             destination = _zmq_destination(fields, "receive_url", url)
+            header = fields.raw("sglang_header", required=False)
+            if header is not None:
+                if not isinstance(header, bytes):
+                    raise fields.error(f"sglang_header must be bytes, got {type_name(header)}")
+                destination = SglangZmqDestination(destination.url, header)
         elif mooncake_given:
             session_id = fields.identifier("session_id")
             # A registered address is a 64-bit pointer; anything larger no engine can take.
@@ -201,6 +213,8 @@ class SendBody:
         destination = self.destination
         if isinstance(destination, ZmqDestination):
             wire["receive_url"] = destination.url
+            if isinstance(destination, SglangZmqDestination):
+                wire["sglang_header"] = destination.header
         else:
             host, _, port = destination.endpoint.rpartition(":")
             wire.update(

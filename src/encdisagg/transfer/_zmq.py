@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Final, cast, final
 
 import anyio
@@ -23,7 +24,7 @@ from ._zmq_curve import CurveClient
 from ._zmq_release import send_signalled, wait_released
 from ._zmq_socket import Connection, wait_room, watch_refusals
 
-__all__ = ["ZmqPushPool"]
+__all__ = ["ForeignHeader", "ZmqPushPool"]
 
 # Below this size a payload is copied into ZMQ's own message rather than tracked. Measured on
 # loopback: a tracked send costs ~0.25 ms whatever its size (ZMQ's release passes through
@@ -43,6 +44,16 @@ DEFAULT_IDLE_TIMEOUT_S: Final = 60.0
 DEFAULT_MAX_ENDPOINTS: Final = 128
 #: How long a send waits on an endpoint that refuses every connection attempt.
 DEFAULT_REFUSED_GRACE_S: Final = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignHeader:
+    """A header frame written for another receiver (SGLang's pickled ``EmbeddingData``),
+    pushed as is in place of ours; ``req_id`` and ``part_idx`` name the message in errors."""
+
+    req_id: str
+    part_idx: int
+    frame: bytes
 
 
 @final
@@ -149,12 +160,15 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
     async def send(
         self,
         url: str,
-        header: EmbeddingHeader,
+        header: EmbeddingHeader | ForeignHeader,
         payload: memoryview | None,
         *,
         on_still_held: Callable[[Hold], None] | None = None,
     ) -> None:
         """Push ``[header, payload]`` to ``url``; return once ZMQ no longer holds ``payload``.
+
+        ``header`` is our msgpack header (DESIGN §5.2), checked against ``payload``, or a
+        :class:`ForeignHeader` (SGLang's), sent as given.
 
         ``payload`` (the C-contiguous embedding bytes, e.g. from
         :func:`~encdisagg.transfer.payload_view`) is sent without copying if it has at least
@@ -196,8 +210,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         :raises TransferError: on timeout, on a ZMQ error, if the connection was reset
             while the message was queued, or if the pool is (or gets) closed.
         """
-        head = encode_header(header)
-        check_payload(header, payload)
+        head = _head(header, payload)
         what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
         if self._closed:
             raise TransferError(f"{what}: the push pool is closed", req_id=header.req_id)
@@ -221,7 +234,9 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
                 )
             raise TransferError(f"{what}: aborted, the push pool closed", req_id=header.req_id)
 
-    def send_nowait(self, url: str, header: EmbeddingHeader, payload: memoryview | None) -> bool:
+    def send_nowait(
+        self, url: str, header: EmbeddingHeader | ForeignHeader, payload: memoryview | None
+    ) -> bool:
         """Queue ``[header, payload]`` for ``url`` now if that needs no wait; whether it did.
 
         Not a checkpoint. Only a message ZMQ copies (an error part, or a payload under
@@ -245,11 +260,11 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             or not cast(int, connection.socket.getsockopt(zmq.EVENTS)) & zmq.POLLOUT
         ):
             return False
-        check_payload(header, payload)
+        head = _head(header, payload)
         what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
         connection.used = True
         try:
-            return self._queue(connection, encode_header(header), payload, what) is not None
+            return self._queue(connection, head, payload, what) is not None
         except TransferError as exc:
             exc.req_id = header.req_id
             raise
@@ -498,3 +513,10 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         if self._connections.get(connection.url) is connection:
             del self._connections[connection.url]
         connection.break_off()
+
+
+def _head(header: EmbeddingHeader | ForeignHeader, payload: memoryview | None) -> bytes:
+    if isinstance(header, ForeignHeader):
+        return header.frame
+    check_payload(header, payload)
+    return encode_header(header)

@@ -210,7 +210,7 @@ class _Worker:
             case "encode":
                 return result_to_wire(await backend.encode(EncodeBody.from_json(args)))
             case "send":
-                body = SendBody.from_json(args)
+                body = SendBody.from_json(args, internal=True)
                 encoding = self._encoding.get(body.req_id)
                 if encoding is not None:
                     await encoding.done.wait()

@@ -16,11 +16,12 @@ How each of SGLang's transfer modes maps onto the Encoder:
   receiver waits for on ``prefill_host:embedding_port``.
 
 The header frame is SGLang's pickled ``EmbeddingData`` (written by
-:mod:`encdisagg.transfer._sglang_frames`; nothing here unpickles anything). The raw bytes come
-out of the Encoder through its own ZMQ push to a loopback socket this service binds for the
-one part, so the same path serves one Encoder and data-parallel workers alike. A failed part
-is pushed as an error part (``error_msg``/``error_code``), which fails SGLang's waiting
-request, and the call raises the error too.
+:mod:`encdisagg.transfer._sglang_frames`; nothing here unpickles anything). This service
+writes it once per part and hands it to the Encoder (or the data-parallel worker holding the
+part) in an :class:`SglangZmqDestination`; the Encoder pushes it with the raw bytes straight
+from the staged memory, which its own scope frees once the push stopped touching it. A
+failed part is pushed as an error part (``error_msg``/``error_code``) by this service, which
+fails SGLang's waiting request, and the call raises the error too.
 """
 
 from __future__ import annotations
@@ -46,20 +47,20 @@ from ..._errors import (
     TransferTimeoutError,
 )
 from ..._modality import Modality
-from ..._video_timing import VideoTiming
 from ...encoder import Encoder, EncodeResult, ZmqDestination
+from ...encoder._types import SglangZmqDestination
+from ...models._checkpoint import model_type_of
 from ...nurseries import run_thread_to_completion
-from ...transfer import ReceivedPart, payload_view
+from ...transfer import ZmqPushPool
 from ...transfer._sglang_frames import SglangPart, sglang_header
-from ...transfer._sglang_push import SglangPusher
+from ...transfer._zmq import ForeignHeader
 from .._access import PeerAllowList
 from .._backend import Backend, LocalBackend
 from .._client_watch import note_staged
-from .._messages import MetadataBody, ReceiveUrlBody
+from .._messages import MetadataBody, ReceiveUrlBody, SendBody
 from ._bodies import SglangEncodeBody, SglangSendBody, metadata_answer
 from ._destinations import PushDestinations
-from ._relay import relay_staged
-from ._video import VideoFields, model_type_of, video_aux, video_fields
+from ._video import VideoFields, video_aux, video_fields
 
 __all__ = ["SglangService"]
 
@@ -70,14 +71,6 @@ _MAX_PARTS: Final = 65536
 #: Bound on pushing an error part: a live receiver takes it at once; one that is gone
 #: (it closed its socket on an earlier failure) should not hold the failing call long.
 _ERROR_PUSH_TIMEOUT_S: Final = 5.0
-
-
-class _Unreachable(TransferError):
-    """Pushes to ``urls`` failed: nobody takes messages there any more."""
-
-    def __init__(self, message: str, *, req_id: str, urls: frozenset[str]) -> None:
-        super().__init__(message, req_id=req_id)
-        self.urls = urls
 
 
 @dataclass(eq=False)
@@ -94,8 +87,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
     """SGLang's encoder calls (``/encode``, ``/send``, ``/scheduler_receive_url``,
     ``/scheduler_receive_meta_data``) served by one running Encoder or backend.
 
-    ``async with SglangService(encoder_or_backend) as sglang:`` opens the ZMQ context its
-    pushes use; leaving waits (bounded) for pushes ZMQ is still writing. The Encoder (or
+    ``async with SglangService(encoder_or_backend) as sglang:`` opens the push pool its
+    error parts and completion notices go through; leaving closes it. The Encoder (or
     backend) must be open while calls are made; this service never opens or closes it.
 
     :param source: a running :class:`~encdisagg.Encoder`, or a server backend.
@@ -103,7 +96,6 @@ class SglangService(anyio.AsyncContextManagerMixin):
         ``transfer`` picks the mode: ``"zmq"`` serves SGLang's two ZMQ modes,
         ``"mooncake"`` (or ``"loopback"``) its ``mooncake`` mode.
     :param peers: when given, the hosts a push or notice may go to (403 otherwise).
-    :param relay_host: the loopback address the Encoder's own pushes reach this service on.
     """
 
     def __init__(
@@ -112,7 +104,6 @@ class SglangService(anyio.AsyncContextManagerMixin):
         config: EncoderConfig | None = None,
         *,
         peers: PeerAllowList | None = None,
-        relay_host: str = "127.0.0.1",
     ) -> None:
         if isinstance(source, Encoder):
             config = config or source.config
@@ -120,13 +111,13 @@ class SglangService(anyio.AsyncContextManagerMixin):
         if config is None:
             raise TypeError("pass the EncoderConfig along with a backend")
         if config.zmq_curve_server_key is not None or config.zmq_curve_server_keys:
-            # SGLang's receivers speak no CURVE, and the loopback relay holds no secret key.
+            # SGLang's receivers speak no CURVE: the Encoder's pushes to them go in the clear.
             raise BadRequestError("the sglang wire cannot be combined with ZMQ CURVE keys")
         self._backend = source
         self._config = config
         self._peers = peers
-        self._relay_bind = f"tcp://{relay_host}:0"
-        self._pusher = SglangPusher(send_timeout_s=config.zmq_send_timeout_s)
+        # Error parts and completion notices: headers alone, no staged memory.
+        self._pushes = ZmqPushPool(send_timeout_s=config.zmq_send_timeout_s)
         self._open = False
         self._destinations = PushDestinations(
             ttl_s=config.request_timeout_s + config.send_timeout_s
@@ -147,7 +138,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
     async def __asynccontextmanager__(self) -> AsyncGenerator[SglangService]:
         model_type = await run_thread_to_completion(model_type_of, self._config.model)
         self._video_fields = video_fields(model_type)
-        async with self._pusher:
+        async with self._pushes:
             self._open = True
             try:
                 yield self
@@ -193,10 +184,11 @@ class SglangService(anyio.AsyncContextManagerMixin):
 
     async def _encode_zmq(self, message: SglangEncodeBody) -> None:
         request = message.encode
+        unreachable: set[str] = set()
         try:
             result = await self._backend.encode(request)
         except EncdisaggError as exc:
-            await self._fail_part(message, exc)
+            await self._fail_part(message, exc, unreachable)
             raise
         try:
             urls = message.push_urls
@@ -206,10 +198,9 @@ class SglangService(anyio.AsyncContextManagerMixin):
                         request.req_id, self._config.request_timeout_s
                     )
                 )
-            part = await self._relay(request.req_id)
-            await self._push_all(message, result, part, urls)
+            await self._push_all(message, result, urls, unreachable)
         except EncdisaggError as exc:
-            await self._fail_part(message, exc)
+            await self._fail_part(message, exc, unreachable)
             raise
         finally:
             with anyio.CancelScope(shield=True):
@@ -309,9 +300,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
             self._mooncake_parts.pop(req_id, None)
         part = self._part(req_id, info.num_parts, message.part_idx, info.modality, result)
         try:
-            await self._pusher.push(
-                message.notice_url, [sglang_header(part)], what=f"completion notice of {req_id!r}"
-            )
+            await self._pushes.send(message.notice_url, _frame(part), None)
         except TransferError as exc:
             # The bytes landed, but this rank will not know: it fails at its own timeout.
             raise InternalError(exc.message, req_id=req_id) from None
@@ -366,61 +355,56 @@ class SglangService(anyio.AsyncContextManagerMixin):
         parts.move_to_end(req_id)
         return part
 
-    async def _relay(self, req_id: str) -> ReceivedPart:
-        """The staged part's bytes, by way of the Encoder's own push (see ``_relay``)."""
-        return await relay_staged(
-            self._backend, req_id, bind=self._relay_bind, timeout_s=self._config.zmq_send_timeout_s
-        )
-
     async def _push_all(
         self,
         message: SglangEncodeBody,
         result: EncodeResult,
-        received: ReceivedPart,
         urls: tuple[str, ...],
+        unreachable: set[str],
     ) -> None:
+        """The Encoder pushes the staged part to each of ``urls`` with one SGLang header, from
+        its own memory; it releases the part once all were served (``receive_count``), or at
+        the first failure. URLs whose push failed in transfer go into ``unreachable``.
+
+        :raises EncdisaggError: the first failure (the others are logged beside it).
+        """
         request = message.encode
-        part = self._part(
-            request.req_id,
-            request.num_parts,
-            request.part_idx,
-            message.modality,
-            result,
-            received.header.video_timing,
+        req_id = request.req_id
+        header = sglang_header(
+            self._part(req_id, request.num_parts, request.part_idx, message.modality, result)
         )
-        header = sglang_header(part)
-        assert received.tensor is not None
-        payload = payload_view(received.tensor)
-        what = f"SGLang push of req_id {request.req_id!r}"
-        failures: dict[str, TransferError] = {}
+        failures: dict[str, EncdisaggError] = {}
 
         async def push(url: str) -> None:
+            destination = SglangZmqDestination(url, header)
             try:
-                await self._pusher.push(url, [header, payload], what=f"{what} to {url}")
-            except TransferError as exc:
+                await self._backend.send(SendBody(req_id, destination, len(urls)))
+            except EncdisaggError as exc:
                 failures[url] = exc
 
         async with anyio.create_task_group() as group:
             for url in urls:
                 group.start_soon(push, url)
         if failures:
-            # The first failure speaks for all; the others are logged beside it.
+            unreachable.update(u for u, e in failures.items() if isinstance(e, TransferError))
             first, *others = failures.values()
             for other in others:
                 _log.warning("%s", other)
-            raise _Unreachable(first.message, req_id=request.req_id, urls=frozenset(failures))
+            raise first
 
-    async def _fail_part(self, message: SglangEncodeBody, exc: EncdisaggError) -> None:
-        """Push ``exc`` as an error part to every destination known (and, in scheduler
-        mode, to those registering later). Errors pushing it are logged, never raised."""
+    async def _fail_part(
+        self, message: SglangEncodeBody, exc: EncdisaggError, unreachable: set[str]
+    ) -> None:
+        """Push ``exc`` as an error part to every destination known but ``unreachable``
+        (and, in scheduler mode, to those registering later). Errors pushing it are logged,
+        never raised."""
         request = message.encode
         status = exc.status if 100 <= exc.status <= 599 else 500
         if message.push_urls is not None:
             urls = list(message.push_urls)
         else:
             urls = self._destinations.finish(request.req_id, (exc.message, status))
-        if isinstance(exc, _Unreachable):
-            urls = [url for url in urls if url not in exc.urls]
+        urls = [url for url in urls if url not in unreachable]
         with anyio.CancelScope(shield=True):
             await self._push_errors(request.req_id, urls, exc.message, status, message)
 
@@ -437,7 +421,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
             num_parts = message.encode.num_parts
             part_idx = message.encode.part_idx
             modality = message.modality
-        header = sglang_header(
+        header = _frame(
             SglangPart(
                 req_id=req_id,
                 num_parts=num_parts,
@@ -450,15 +434,13 @@ class SglangService(anyio.AsyncContextManagerMixin):
         )
 
         async def push(url: str) -> None:
-            try:
-                await self._pusher.push(
-                    url,
-                    [header],
-                    what=f"error part of {req_id!r}",
-                    timeout_s=min(_ERROR_PUSH_TIMEOUT_S, self._config.zmq_send_timeout_s),
-                )
-            except TransferError as exc:
-                _log.warning("could not push the error part of %s to %s: %s", req_id, url, exc)
+            error: object = "nobody took it in time"
+            with anyio.move_on_after(_ERROR_PUSH_TIMEOUT_S):
+                try:
+                    return await self._pushes.send(url, header, None)
+                except TransferError as exc:
+                    error = exc
+            _log.warning("could not push the error part of %s to %s: %s", req_id, url, error)
 
         async with anyio.create_task_group() as group:
             for url in urls:
@@ -471,9 +453,8 @@ class SglangService(anyio.AsyncContextManagerMixin):
         part_idx: int | None,
         modality: Modality,
         result: EncodeResult,
-        timing: tuple[VideoTiming, ...] | None = None,
     ) -> SglangPart:
-        timestamps, seconds = video_aux(self._video_fields, timing or result.video_timing)
+        timestamps, seconds = video_aux(self._video_fields, result.video_timing)
         return SglangPart(
             req_id=req_id,
             num_parts=num_parts,
@@ -493,3 +474,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
                 await self._backend.release(req_id)
         except EncdisaggError as exc:
             _log.warning("releasing %s failed: %s", req_id, exc)
+
+
+def _frame(part: SglangPart) -> ForeignHeader:
+    return ForeignHeader(part.req_id, part.part_idx, sglang_header(part))

@@ -9,14 +9,11 @@ other ``None``; so do we, from the timing our Encoder computed for each video it
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Final, Literal
 
 from ..._video_timing import VideoTiming
 
-__all__ = ["VideoFields", "model_type_of", "video_aux", "video_fields"]
+__all__ = ["VideoFields", "video_aux", "video_fields"]
 
 VideoFields = Literal["timestamps", "second_per_grid"]
 
@@ -26,26 +23,6 @@ _TIMESTAMP_TYPES: Final = frozenset(
 )
 #: Model types whose processor takes seconds per temporal grid step.
 _SECONDS_TYPES: Final = frozenset({"qwen2_5_vl", "qwen2_5_omni", "qwen3_omni_moe"})
-#: The built-in models' types.
-_BUILTIN_TYPES: Final[Mapping[str, str]] = {
-    "tiny": "qwen2_vl",
-    "tiny-qwen2.5-vl": "qwen2_5_vl",
-    "tiny-qwen3-vl": "qwen3_vl",
-    "tiny-kimi-k25": "kimi_k25",
-}
-
-
-def model_type_of(model: str) -> str | None:
-    """The ``model_type`` of a built-in name or a checkpoint folder's ``config.json``
-    (``None`` when unknown or unreadable). Blocks on one small read."""
-    if model in _BUILTIN_TYPES:
-        return _BUILTIN_TYPES[model]
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    kind = config.get("model_type") if isinstance(config, dict) else None
-    return kind if isinstance(kind, str) else None
 
 
 def video_fields(model_type: str | None) -> VideoFields | None:

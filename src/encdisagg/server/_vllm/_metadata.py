@@ -49,7 +49,7 @@ _FAMILIES: Final[Mapping[str, Family]] = {
     "qwen2_5_omni_audio_encoder": "qwen2_5_omni",
     "kimi_k25": "kimi_k25",
 }
-#: Built-in model names whose type the tables of ``_sglang._video`` do not list.
+#: Built-in model names whose type ``models._checkpoint.model_type_of`` does not list.
 _BUILTIN_TYPES: Final[Mapping[str, str]] = {
     "tiny-qwen2-audio": "qwen2_audio",
     "tiny-qwen2.5-omni-audio": "qwen2_5_omni",

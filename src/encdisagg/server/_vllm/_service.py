@@ -5,7 +5,7 @@ its own part (so each item's embedding is its own tensor, as vLLM's consumer tak
 Encoder still batches parts that arrive together), then handed to the PD:
 
 - ``example`` (shared storage): the staged bytes come out through the Encoder's own push to
-  a loopback socket (``_sglang._relay``, so one Encoder and data-parallel workers alike), are
+  a loopback socket (``_relay``, so one Encoder and data-parallel workers alike), are
   cast to the PD's dtype and written as the item's safetensors file before the answer.
 - ``mooncake``: the item is pushed to every TP shard of the PD named in the body
   (``_push``); each write is the Encoder's own Mooncake delivery from its registered memory,
@@ -31,18 +31,18 @@ import torch
 from ..._config import EncoderConfig
 from ..._errors import BadRequestError, ConfigError, EncdisaggError, InternalError, TransferError
 from ...encoder import EncodeResult, MooncakeDestination
+from ...models._checkpoint import model_type_of
 from ...nurseries import ServiceTaskGroup, run_thread_to_completion
 from .._access import PeerAllowList
 from .._backend import Backend
 from .._messages import EncodeBody, SendBody
 from .._settings import ServerSettings
-from .._sglang._relay import relay_staged
-from .._sglang._video import model_type_of
 from ._bodies import ChatBody, MediaItem
 from ._control import ControlChannel
 from ._metadata import Family, check_family, family_of, item_metadata
 from ._options import canonical_dtype
 from ._push import PushSpec, Shard, push_item
+from ._relay import relay_staged
 from ._storage import EmbeddingStore
 
 __all__ = ["VllmService", "check_connector"]

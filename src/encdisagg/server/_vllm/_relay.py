@@ -1,11 +1,11 @@
-"""How the SGLang wire gets a staged part's bytes: the Encoder's own push, to a loopback
-socket bound for that one part.
+"""How the vLLM wire's shared-storage connector gets a staged part's bytes into this
+process: the Encoder's own push, to a loopback socket bound for that one part.
 
 The Encoder (or a data-parallel worker) counts the loopback socket as the part's one
 destination, pushes ``[our header, bytes]`` there as to any receiver, and releases the part
-once ZMQ let go of it; the SGLang wire then re-frames the bytes with SGLang's header. The
-same path serves one Encoder and data-parallel workers alike, and the Encoder's staged-memory
-ownership is untouched: the part is freed by its own scope, after its push.
+once ZMQ let go of it; the connector then writes the bytes as a file. The same path serves
+one Encoder and data-parallel workers alike, and the Encoder's staged-memory ownership is
+untouched: the part is freed by its own scope, after its push.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 
 import anyio
 
-from ..._errors import BadRequestError, TransferError, error_of_status
+from ..._errors import BadRequestError, InternalError, TransferError
 from ...encoder import ZmqDestination
 from ...nurseries import collapse_single_error
 from ...transfer import ReceivedPart, ZmqReceiver
@@ -23,7 +23,7 @@ from .._messages import SendBody
 
 __all__ = ["relay_staged"]
 
-_log = logging.getLogger("encdisagg.server.sglang")
+_log = logging.getLogger("encdisagg.server.vllm")
 
 
 async def relay_staged(
@@ -37,7 +37,7 @@ async def relay_staged(
     cancelled as the Encoder cancels any send: once its transfer stopped touching memory.
 
     :raises TransferError: nothing arrived in time.
-    :raises EncdisaggError: the backend's send failed, or the Encoder pushed an error part.
+    :raises EncdisaggError: the backend's send failed.
     """
     found: list[ReceivedPart] = []
     arrived = anyio.Event()
@@ -70,5 +70,6 @@ async def relay_staged(
         )
     part = found[0]
     if part.header.error is not None:
-        raise error_of_status(part.header.status)(part.header.error, req_id=req_id)
+        # A send delivers staged parts only (a failed encode raises instead): a broken promise.
+        raise InternalError(f"req_id {req_id!r}: the relay got an error part", req_id=req_id)
     return part

@@ -1,4 +1,5 @@
-"""SglangPusher: one multipart message per push, to a real ZMQ PULL socket."""
+"""ZmqPushPool with a foreign header frame (SGLang's): sent as given, before the payload, to
+a real ZMQ PULL socket."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import zmq
 
 from encdisagg import TransferError
-from encdisagg.transfer._sglang_push import SglangPusher
+from encdisagg.transfer import ZmqPushPool
+from encdisagg.transfer._zmq import ForeignHeader
 
 pytestmark = pytest.mark.anyio
 
@@ -18,10 +20,11 @@ async def test_frames_arrive_as_one_message_and_the_memory_is_free_on_return() -
     pull.setsockopt(zmq.RCVTIMEO, 20_000)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     try:
-        async with SglangPusher() as pusher:
+        async with ZmqPushPool() as pool:
             payload = bytearray(b"x" * 100_000)
-            await pusher.push(f"tcp://127.0.0.1:{port}", [b"head", memoryview(payload)], what="t")
-            payload[:] = b"y" * len(payload)  # ours again: ZMQ copied it
+            header = ForeignHeader("r", 0, b"head")
+            await pool.send(f"tcp://127.0.0.1:{port}", header, memoryview(payload))
+            payload[:] = b"y" * len(payload)  # ours again: ZMQ let go of it
             frames = await anyio.to_thread.run_sync(pull.recv_multipart)
     finally:
         pull.close(linger=0)
@@ -33,9 +36,10 @@ async def test_nobody_listening_fails_within_the_bound_and_closed_refuses() -> N
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
     await listener.aclose()  # a port nobody listens on now
-    pusher = SglangPusher(send_timeout_s=0.2)
-    async with pusher:
-        with pytest.raises(TransferError, match=r"nobody took the message within 0\.1 s"):
-            await pusher.push(f"tcp://127.0.0.1:{port}", [b"h"], what="t", timeout_s=0.1)
+    header = ForeignHeader("r", 0, b"h")
+    pool = ZmqPushPool(send_timeout_s=0.1)
+    async with pool:
+        with pytest.raises(TransferError, match=r"req_id 'r' part 0 .* timed out after 0\.1 s"):
+            await pool.send(f"tcp://127.0.0.1:{port}", header, None)
     with pytest.raises(TransferError, match="closed"):
-        await pusher.push(f"tcp://127.0.0.1:{port}", [b"h"], what="t")
+        await pool.send(f"tcp://127.0.0.1:{port}", header, None)
