@@ -60,7 +60,7 @@ def _sglang_engine() -> Any:
         MooncakeTransferEngine,
     )
 
-    class Counted(MooncakeTransferEngine):  # type: ignore[misc]
+    class Counted(MooncakeTransferEngine):
         def __init__(self) -> None:
             # list.append is atomic: no count is lost to a worker thread.
             self.registered: list[int] = []
