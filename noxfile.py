@@ -115,7 +115,7 @@ def bench_peer(session: nox.Session) -> None:
         session.error(f"no build_venv020.sh in ../shared/peer (looked for {build})")
     peer_venv = os.environ.get("ENCDISAGG_PEER_VENV") or str(ROOT / ".nox" / "sglang-peer-020")
     session.run("bash", str(build), peer_venv, external=True)
-    install_project(session, "bench")
+    install_project(session, "mooncake-cpu", "bench")
     session.run(
         "python",
         "benchmarks/bench_peer.py",
