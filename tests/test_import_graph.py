@@ -21,8 +21,6 @@ MOST_FILES = 15
 #: here is tolerated, not wanted: whoever breaks one deletes its line.
 KNOWN_CIRCLES: frozenset[tuple[str, ...]] = frozenset(
     {
-        # The receiver's landing state reaches back into the receiver that owns it.
-        ("encdisagg.receiver._pending", "encdisagg.receiver._receiver"),
         # A held request names the queue's request type; the queue holds requests.
         ("encdisagg.decode._held", "encdisagg.decode._transfer"),
     }
@@ -39,8 +37,6 @@ KNOWN_CROWDS: dict[str, int] = {
     "transfer": 21,
     # The demo pipeline.
     "pipeline": 18,
-    # The receiver, its landing and its fleet fetch.
-    "receiver": 18,
 }
 
 

@@ -16,14 +16,17 @@ import httpx
 from .. import _tracing
 from .._errors import BadRequestError, ConfigError, EncdisaggError, ServiceUnavailableError
 from .._modality import Modality
-from ._call_errors import TIMED_OUT, UNREACHABLE, EncoderCallError, ReleaseOutcome
+from ._call_errors import (
+    TIMED_OUT,
+    UNREACHABLE,
+    EncoderCallError,
+    ReleaseOutcome,
+    first_error,
+)
 from ._fleet import EncoderFleet
-from ._groups import first_error
-from ._messages import PartMetadata
+from ._messages import PartMetadata, SendTarget, needs_conversion, wire_items
 from ._plan import PartPlan, RequestPlan, assign_parts
 from ._routing import FleetRouting
-from ._targets import SendTarget
-from ._wire_items import needs_conversion, wire_items
 
 __all__ = ["TIMED_OUT", "UNREACHABLE", "EncoderCallError", "EncoderClient", "ReleaseOutcome"]
 

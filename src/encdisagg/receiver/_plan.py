@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from .._errors import BadRequestError
 from .._modality import Modality
 
-__all__ = ["PartPlan", "RequestPlan", "assign_parts", "part_req_id"]
+__all__ = ["PartPlan", "RequestPlan", "assign_parts", "part_req_id", "split_part_id"]
+
+# -- part ids: built and parsed here only ----------------------------------------------------
 
 #: Separates a request id from its part number in a part's id. Callers' request ids may not
 #: contain it: the library alone uses it, also to name a failed-over request's attempts.
@@ -47,6 +49,13 @@ def attempt_rid(rid: str, attempt: int) -> str:
 def part_req_id(rid: str, part_idx: int) -> str:
     """The id a part of request ``rid`` has on its encoder: ``"{rid}#{part_idx}"``."""
     return f"{rid}{PART_SEPARATOR}{part_idx}"
+
+
+def split_part_id(part_id: str) -> tuple[str, str]:
+    """``(rid, index)`` of a part id, split at its last ``#``: the request a part belongs to,
+    attempts included. ``rid`` is empty (no request's: none is) for an id without ``#``."""
+    rid, _, index = part_id.rpartition(PART_SEPARATOR)
+    return rid, index
 
 
 @dataclass(frozen=True, slots=True)
