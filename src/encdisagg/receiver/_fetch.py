@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import Final
@@ -155,7 +155,7 @@ async def _fetch(
                 except BaseException as exc:
                     # Not a checkpoint: the landing state goes before anything else runs.
                     await stack.aclose()
-                    url = _failed_over_url(exc)
+                    url = _encoder_of(exc, _FAILOVER_STATUSES)
                     if url is None or attempt + 1 == max_attempts:
                         raise
                     _log.warning(
@@ -176,20 +176,12 @@ async def _fetch(
         yield dataclasses.replace(embeddings, rid=rid)
 
 
-def _failed_over_url(error: BaseException) -> str | None:
-    """The encoder to leave out if ``error`` is worth another attempt, else ``None``."""
+def _encoder_of(error: BaseException, statuses: Collection[int]) -> str | None:
+    """The encoder ``error`` shows gone (it left), or failing a call with one of
+    ``statuses``; else ``None``."""
     if isinstance(error, EncoderLeftError):
         return error.url
-    if isinstance(error, EncoderCallError) and error.status in _FAILOVER_STATUSES:
-        return error.url
-    return None
-
-
-def _gone_url(error: BaseException) -> str | None:
-    """The encoder ``error`` shows to be unreachable (no release is sent there)."""
-    if isinstance(error, EncoderLeftError):
-        return error.url
-    if isinstance(error, EncoderCallError) and error.status == UNREACHABLE:
+    if isinstance(error, EncoderCallError) and error.status in statuses:
         return error.url
     return None
 
@@ -230,9 +222,10 @@ async def _gather(
             outer.cancel_scope.cancel()
     except BaseException as exc:
         failure = first_error(exc)
-        # With a fleet, parts on an encoder that is gone are left to their deadline there;
-        # nobody can be asked about their landing pages, which follow the receiver's bound.
-        gone = None if fleet is None else _gone_url(failure)
+        # With a fleet, parts on an encoder that is gone (unreachable) are left to their
+        # deadline there; nobody can be asked about their landing pages, which follow the
+        # receiver's bound.
+        gone = None if fleet is None else _encoder_of(failure, (UNREACHABLE,))
         await release_dispatched(client, pending, [p for p in dispatched if p.url != gone])
         if failure is exc:
             raise
