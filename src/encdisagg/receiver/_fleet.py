@@ -25,7 +25,6 @@ lease ran out leaves the view.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections import deque
@@ -39,16 +38,11 @@ from .._errors import BadRequestError, ServiceUnavailableError
 from .._modality import Modality
 from ..registry import EncoderRecord, RegistryUrl, RegistryView, RegistryWatcher
 from ._plan import RequestPlan, attempt_rid, check_rid, cut, group_items, numbered
-from ._routing import FleetRouting, Slot, affinity_key, route_items
+from ._routing import FleetRouting, Slot, affinity_key, rendezvous_weight, route_items
 
 __all__ = ["EncoderFleet"]
 
 _log = logging.getLogger("encdisagg.receiver")
-
-
-def _affinity(rid: str, url: str) -> bytes:
-    # Rendezvous hashing: each request ranks the encoders in its own stable order.
-    return hashlib.blake2b(f"{rid}\0{url}".encode(), digest_size=8).digest()
 
 
 class EncoderFleet(anyio.AsyncContextManagerMixin):
@@ -206,7 +200,11 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         """The candidates for a part of ``rid`` of ``modality``, best first."""
         return sorted(
             self._candidates(modality, exclude),
-            key=lambda r: (self.load(r.url), r.load.staged_bytes, _affinity(rid, r.url)),
+            key=lambda r: (
+                self.load(r.url),
+                r.load.staged_bytes,
+                rendezvous_weight(rid.encode(), r.url),
+            ),
         )
 
     def plan(
