@@ -17,7 +17,7 @@ import torch
 from .._errors import EncdisaggError
 from .._modality import Modality
 from ..receiver import EncoderClient, MooncakeSendTarget, PartMetadata, ZmqSendTarget
-from ..receiver._plan import PART_SEPARATOR, PartPlan
+from ..receiver._plan import PartPlan, split_part_id
 from ..transfer import MooncakeEngine, ZmqReceiver, payload_view
 from ._describe import describe
 
@@ -32,8 +32,8 @@ def staged_part(url: str, part_id: str) -> PartPlan:
 
     :raises ValueError: ``part_id`` is not of that form.
     """
-    rid, separator, index = part_id.rpartition(PART_SEPARATOR)
-    if not separator or not rid or not index.isdigit():
+    rid, index = split_part_id(part_id)
+    if not rid or not index.isdigit():
         raise ValueError(f"a part id is REQUEST#INDEX, e.g. cli-1a2b3c#0; got {part_id!r}")
     # Only the id and the URL take part in the calls below: the items stay on the server.
     return PartPlan(rid, int(index), int(index) + 1, Modality.IMAGE, url, (), 0)

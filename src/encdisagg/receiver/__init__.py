@@ -15,17 +15,22 @@
 
 from types import FunctionType as _FunctionType
 
+from ._call_errors import EncoderLeftError as EncoderLeftError
 from ._client import (
     EncoderCallError as EncoderCallError,
     EncoderClient as EncoderClient,
     ReleaseOutcome as ReleaseOutcome,
 )
-from ._fetch import fetch_embeddings as fetch_embeddings
+from ._fetch import fetch_embeddings as fetch_embeddings, fetch_from_fleet as fetch_from_fleet
 from ._fleet import EncoderFleet as EncoderFleet
-from ._fleet_fetch import EncoderLeftError as EncoderLeftError, fetch_from_fleet as fetch_from_fleet
 from ._landing import LandingPool as LandingPool, PageRun as PageRun
 from ._landing_holds import Recheck as Recheck
-from ._messages import PartMetadata as PartMetadata
+from ._messages import (
+    MooncakeSendTarget as MooncakeSendTarget,
+    PartMetadata as PartMetadata,
+    SendTarget as SendTarget,
+    ZmqSendTarget as ZmqSendTarget,
+)
 from ._pending import PendingEmbeddings as PendingEmbeddings
 from ._plan import (
     PartPlan as PartPlan,
@@ -41,11 +46,6 @@ from ._received import (
 )
 from ._receiver import EmbeddingReceiver as EmbeddingReceiver
 from ._routing import FleetRouting as FleetRouting, affinity_key as affinity_key
-from ._targets import (
-    MooncakeSendTarget as MooncakeSendTarget,
-    SendTarget as SendTarget,
-    ZmqSendTarget as ZmqSendTarget,
-)
 
 __all__ = (
     "EncoderClient",

@@ -1,14 +1,25 @@
-"""What a call from :class:`~encdisagg.receiver.EncoderClient` to one encoder can end with:
-the error of a failed call, and what ``/release`` confirmed."""
+"""What calls from :class:`~encdisagg.receiver.EncoderClient` to encoders can end with: the
+error of a failed call, an encoder gone mid-request, what ``/release`` confirmed, and the one
+error a caller sees of a task group of calls."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Final
 
-from .._errors import EncdisaggError
+import anyio
 
-__all__ = ["TIMED_OUT", "UNREACHABLE", "EncoderCallError", "ReleaseOutcome"]
+from .._errors import EncdisaggError, ServiceUnavailableError
+from ..nurseries import leaf_exceptions
+
+__all__ = [
+    "TIMED_OUT",
+    "UNREACHABLE",
+    "EncoderCallError",
+    "EncoderLeftError",
+    "ReleaseOutcome",
+    "first_error",
+]
 
 #: Status given to an encoder that could not be reached, or answered nonsense.
 UNREACHABLE: Final = 502
@@ -59,6 +70,15 @@ def _rebuild_call_error(
     )
 
 
+class EncoderLeftError(ServiceUnavailableError):
+    """An encoder left the registry (its lease ran out, or it drained) while it held an
+    undelivered part of the request (503)."""
+
+    def __init__(self, url: str, rid: str) -> None:
+        super().__init__(f"encoder {url} left the registry during request {rid!r}", req_id=rid)
+        self.url = url
+
+
 @dataclass(frozen=True, slots=True)
 class ReleaseOutcome:
     """What the encoders answered to ``POST /release``, by part id.
@@ -76,3 +96,26 @@ class ReleaseOutcome:
     #: Not reached, not answered in time, refused, or answered by something else than the
     #: encoder (a proxy's 504 says nothing about the encoder's transfers).
     unconfirmed: frozenset[str] = frozenset()
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The error to raise for ``exc``.
+
+    Not a group: ``exc`` itself. A group: its first encdisagg error, else its first error
+    that is not a cancellation; the other errors become notes on it. A group of
+    cancellations only stays the group (the caller's cancel scope then handles it).
+
+    Raise the result outside the handler that caught ``exc``, so the group does not become
+    its ``__context__`` (see :func:`~encdisagg.nurseries.sole_error`, the one-error case).
+    """
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    cancelled = anyio.get_cancelled_exc_class()
+    errors = [leaf for leaf in leaf_exceptions(exc) if not isinstance(leaf, cancelled)]
+    if not errors:
+        return exc
+    chosen = next((e for e in errors if isinstance(e, EncdisaggError)), errors[0])
+    for other in errors:
+        if other is not chosen:
+            chosen.add_note(f"also failed: {other!r}")
+    return chosen

@@ -16,14 +16,17 @@ import httpx
 from .. import _tracing
 from .._errors import BadRequestError, ConfigError, EncdisaggError, ServiceUnavailableError
 from .._modality import Modality
-from ._call_errors import TIMED_OUT, UNREACHABLE, EncoderCallError, ReleaseOutcome
+from ._call_errors import (
+    TIMED_OUT,
+    UNREACHABLE,
+    EncoderCallError,
+    ReleaseOutcome,
+    first_error,
+)
 from ._fleet import EncoderFleet
-from ._groups import first_error
-from ._messages import PartMetadata
+from ._messages import PartMetadata, SendTarget, needs_conversion, wire_items
 from ._plan import PartPlan, RequestPlan, assign_parts
 from ._routing import FleetRouting
-from ._targets import SendTarget
-from ._wire_items import needs_conversion, wire_items
 
 __all__ = ["TIMED_OUT", "UNREACHABLE", "EncoderCallError", "EncoderClient", "ReleaseOutcome"]
 
@@ -214,18 +217,7 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
             "num_parts": part.num_parts,
             "part_idx": part.part_idx,
         }
-        answer = await self._post(part, "/encode", body, self._encode_timeout_s, answer=True)
-        try:
-            metadata = PartMetadata.from_json(answer)
-        except BadRequestError as exc:
-            raise self._error(part, "/encode", UNREACHABLE, f"answered badly: {exc}") from None
-        if metadata.req_id != part.req_id or metadata.part_idx != part.part_idx:
-            raise self._error(
-                part,
-                "/encode",
-                UNREACHABLE,
-                f"answered for {metadata.req_id!r} part {metadata.part_idx}",
-            )
+        metadata = await self._metadata(part, "/encode", body, self._encode_timeout_s)
         if len(metadata.token_counts) != len(part.items):
             raise self._error(
                 part,
@@ -246,23 +238,8 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
             or answered for another part.
         """
         body = {"req_id": part.req_id, "part_idx": part.part_idx}
-        answer = await self._post(
-            part, "/scheduler_receive_meta_data", body, self._send_timeout_s, answer=True
-        )
-        try:
-            metadata = PartMetadata.from_json(answer)
-        except BadRequestError as exc:
-            raise self._error(
-                part, "/scheduler_receive_meta_data", UNREACHABLE, f"answered badly: {exc}"
-            ) from None
-        if metadata.req_id != part.req_id:
-            raise self._error(
-                part,
-                "/scheduler_receive_meta_data",
-                UNREACHABLE,
-                f"answered for {metadata.req_id!r}",
-            )
-        return metadata
+        route = "/scheduler_receive_meta_data"
+        return await self._metadata(part, route, body, self._send_timeout_s)
 
     async def encode(self, plan: RequestPlan) -> tuple[PartMetadata, ...]:
         """``POST /encode`` for every part of ``plan`` at once.
@@ -436,6 +413,26 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
             ) from None
         except httpx.HTTPError as exc:
             raise self._error(part, route, UNREACHABLE, f"could not be reached: {exc!r}") from None
+
+    async def _metadata(
+        self, part: PartPlan, route: str, body: dict[str, Any], timeout_s: float
+    ) -> PartMetadata:
+        """POST ``body``; the answer, the metadata of ``part``.
+
+        :raises EncoderCallError: (502) the answer is not metadata, or another part's (the
+            index is checked on ``/encode``, whose body named it).
+        """
+        answer = await self._post(part, route, body, timeout_s, answer=True)
+        try:
+            metadata = PartMetadata.from_json(answer)
+        except BadRequestError as exc:
+            raise self._error(part, route, UNREACHABLE, f"answered badly: {exc}") from None
+        if metadata.req_id != part.req_id or (
+            route == "/encode" and metadata.part_idx != part.part_idx
+        ):
+            what = f"answered for {metadata.req_id!r} part {metadata.part_idx}"
+            raise self._error(part, route, UNREACHABLE, what)
+        return metadata
 
     async def _post(
         self,

@@ -25,7 +25,6 @@ lease ran out leaves the view.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections import deque
@@ -38,17 +37,12 @@ import httpx
 from .._errors import BadRequestError, ServiceUnavailableError
 from .._modality import Modality
 from ..registry import EncoderRecord, RegistryUrl, RegistryView, RegistryWatcher
-from ._plan import PartPlan, RequestPlan, _normalise, attempt_rid, check_rid
-from ._routing import FleetRouting, Slot, affinity_key, route_items
+from ._plan import RequestPlan, attempt_rid, check_rid, cut, group_items, numbered
+from ._routing import FleetRouting, Slot, affinity_key, rendezvous_weight, route_items
 
 __all__ = ["EncoderFleet"]
 
 _log = logging.getLogger("encdisagg.receiver")
-
-
-def _affinity(rid: str, url: str) -> bytes:
-    # Rendezvous hashing: each request ranks the encoders in its own stable order.
-    return hashlib.blake2b(f"{rid}\0{url}".encode(), digest_size=8).digest()
 
 
 class EncoderFleet(anyio.AsyncContextManagerMixin):
@@ -206,7 +200,11 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         """The candidates for a part of ``rid`` of ``modality``, best first."""
         return sorted(
             self._candidates(modality, exclude),
-            key=lambda r: (self.load(r.url), r.load.staged_bytes, _affinity(rid, r.url)),
+            key=lambda r: (
+                self.load(r.url),
+                r.load.staged_bytes,
+                rendezvous_weight(rid.encode(), r.url),
+            ),
         )
 
     def plan(
@@ -244,11 +242,8 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         it names an attempt: ``rid`` is checked as a caller's id either way."""
         check_rid(rid)
         plan_rid = attempt_rid(rid, attempt)
-        grouped = _normalise(items)
-        if not grouped:
-            raise BadRequestError(f"request {rid!r} has no media items", req_id=rid)
         runs: list[tuple[Modality, EncoderRecord, tuple[object, ...], int]] = []
-        for modality, values in grouped:
+        for modality, values in group_items(rid, items):
             ranked = self.ranked(plan_rid, modality, exclude)
             if not ranked:
                 raise ServiceUnavailableError(
@@ -258,36 +253,16 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
                     f"{len(self.view)} registered)",
                     req_id=rid,
                 )
-            affine = None
+            chosen = None
             if self.routing.routing == "affine":
-                affine = self._affine_runs(ranked, values)
-            if affine is not None:
-                runs.extend((modality, record, run, first) for record, run, first in affine)
-                continue
-            n_runs = min(len(ranked), len(values), self._max_parts or len(values))
-            base, extra = divmod(len(values), n_runs)
-            offset = 0
-            for run in range(n_runs):
-                size = base + (1 if run < extra else 0)
-                runs.append((modality, ranked[run], values[offset : offset + size], offset))
-                offset += size
+                chosen = self._affine_runs(ranked, values)
+            if chosen is None:
+                n_runs = min(len(ranked), len(values), self._max_parts or len(values))
+                chosen = [(ranked[i], *run) for i, run in enumerate(cut(values, n_runs))]
+            runs.extend((modality, record, run, first) for record, run, first in chosen)
         for _, record, _, _ in runs:
             self._note_sent(record)
-        return RequestPlan(
-            rid=plan_rid,
-            parts=tuple(
-                PartPlan(
-                    rid=plan_rid,
-                    part_idx=index,
-                    num_parts=len(runs),
-                    modality=modality,
-                    url=record.url,
-                    items=run_items,
-                    first_item=first,
-                )
-                for index, (modality, record, run_items, first) in enumerate(runs)
-            ),
-        )
+        return numbered(plan_rid, [(m, record.url, run, first) for m, record, run, first in runs])
 
     def _affine_runs(
         self, candidates: Sequence[EncoderRecord], values: Sequence[object]

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import anyio
 import anyio.lowlevel
 import torch
 
@@ -46,7 +47,8 @@ class LandingPool:
     :param num_pages: how many pages.
     :param page_bytes: bytes per page.
 
-    Allocation, freeing and holding are synchronous and never checkpoint. Register the
+    Allocation, freeing and holding are synchronous and never checkpoint; a caller that
+    found no run waits for pages to come back with :meth:`wait_freed`. Register the
     buffer for its working life with ``async with pool.registered(engine):``; keep every
     run's user inside that block.
 
@@ -72,6 +74,9 @@ class LandingPool:
         #: Every hold taken on the buffer, those of runs reused past the bound included.
         self.ledger = HeldLedger("landing pool")
         self._registration: MemoryRegistration | None = None
+        # Made by the first waiter (a pool may be built outside an event loop); set and
+        # dropped when pages go back to the free list.
+        self._freed: anyio.Event | None = None
 
     # -- allocation: synchronous -------------------------------------------------------------
 
@@ -208,6 +213,16 @@ class LandingPool:
     def _release(self, run: PageRun) -> None:
         self._free[run.start : run.start + run.count] = b"\x01" * run.count
         self._available += run.count
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
+
+    async def wait_freed(self) -> None:
+        """Wait until pages go back to the free list (freed, settled or reused). A
+        checkpoint; not bounded: put it under a deadline."""
+        if self._freed is None:
+            self._freed = anyio.Event()
+        await self._freed.wait()
 
     # -- addresses and views -----------------------------------------------------------------
 

@@ -54,7 +54,6 @@ class HeldLandings(anyio.AsyncContextManagerMixin):
     :param bound_s: how long a held run is asked about before ``policy`` applies.
     :param policy: what happens to a run whose bound ran out without proof.
     :param close_timeout_s: the most leaving waits for asks in progress.
-    :param on_freed: called, synchronously, when held pages went back to the free list.
     """
 
     def __init__(
@@ -64,13 +63,11 @@ class HeldLandings(anyio.AsyncContextManagerMixin):
         bound_s: float,
         policy: HoldPolicy,
         close_timeout_s: float,
-        on_freed: Callable[[], object],
     ) -> None:
         self._pool = pool
         self._bound_s = bound_s
         self._policy = policy
         self._close_timeout_s = close_timeout_s
-        self._on_freed = on_freed
         self._group: anyio.abc.TaskGroup | None = None
         # Runs whose encoder is being asked; _asked is set (and replaced) when one is done.
         self._asking = 0
@@ -106,7 +103,6 @@ class HeldLandings(anyio.AsyncContextManagerMixin):
             with anyio.CancelScope(deadline=deadline):
                 await _ask_until_confirmed(part_id, recheck)
                 self._pool.settle(run, _CONFIRMED)
-                self._on_freed()
                 return
             self._bound_ran_out(run)
         finally:
@@ -118,9 +114,8 @@ class HeldLandings(anyio.AsyncContextManagerMixin):
     def _bound_ran_out(self, run: PageRun) -> None:
         if self._policy is HoldPolicy.RETIRE:
             self._pool.retire(run)
-            return
-        self._pool.reuse(run)
-        self._on_freed()
+        else:
+            self._pool.reuse(run)
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[HeldLandings]:

@@ -1,62 +1,133 @@
-"""What an encoder answers to ``POST /encode``, validated into a frozen message."""
+"""The bodies of the HTTP calls a receiver makes to an encoder.
 
-from __future__ import annotations
+- ``/encode``: the request's items as JSON (:func:`wire_items`), and the encoder's answer,
+  decoded strictly into a frozen :class:`PartMetadata`;
+- ``/send``: where the encoder delivers a part, per transport (:data:`SendTarget`).
+"""
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Final
+# No ``from __future__ import annotations``: msgspec reads PartMetadata's annotations as
+# objects, since the package re-homes the class (``__module__``) where those names are unknown.
+
+import base64
+import io
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Final, Self
+
+import msgspec
 
 from .._errors import BadRequestError
 from .._video_timing import VideoTiming, timing_from_wire
 
-__all__ = ["PartMetadata"]
+__all__ = [
+    "MooncakeSendTarget",
+    "PartMetadata",
+    "SendTarget",
+    "ZmqSendTarget",
+    "engine_address",
+    "needs_conversion",
+    "wire_items",
+]
+
+_DATA_URL_PREFIX: Final = "data:application/octet-stream;base64,"
+
+# -- the /encode body's items -----------------------------------------------------------------
+# The in-process encoder takes raw bytes, file paths, PIL images, frame lists and {"frames",
+# "fps"} maps beside the strings (data URLs, base64, URLs, server-side paths) and {"url",
+# "content_hash"} maps the HTTP body takes. Bytes, paths and images are local to the caller,
+# so they travel as base64 data URLs: a Path is read here, on the caller's machine, where a
+# string stays a string for the server to resolve.
 
 
-def _bad(field: str, requirement: str, value: object, req_id: str | None) -> BadRequestError:
-    text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return BadRequestError(
-        f"/encode answer field {field!r} must be {requirement}; got {text}", req_id=req_id
-    )
+def needs_conversion(items: Sequence[object]) -> bool:
+    """Whether any item must be turned into JSON first (and may block doing so)."""
+    return not all(isinstance(item, str) for item in items)
 
 
-def _int(field: str, value: object, minimum: int, req_id: str | None) -> int:
-    # Exact type: JSON `true` must not pass as 1.
-    if type(value) is not int or value < minimum:
-        raise _bad(field, f"an int >= {minimum}", value, req_id)
-    return value
+def wire_items(items: Sequence[object]) -> list[object]:
+    """The items as the ``mm_items`` of an ``/encode`` body. Blocks on file reads and image
+    encoding; call it in a worker thread when :func:`needs_conversion` says so.
+
+    :raises BadRequestError: naming ``mm_items[i]`` for an item that cannot travel over
+        HTTP (a NumPy waveform: send its encoded audio instead) or an unreadable path.
+    """
+    return [_wire_item(item, f"mm_items[{index}]") for index, item in enumerate(items)]
 
 
-def _ints(field: str, value: object, req_id: str | None) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or any(
-        type(item) is not int or item < 0 for item in value
-    ):
-        raise _bad(field, "a list of ints >= 0", value, req_id)
-    return tuple(value)
+def _wire_item(item: object, label: str) -> object:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return _data_url(bytes(item))
+    if isinstance(item, Path):
+        try:
+            return _data_url(item.read_bytes())
+        except OSError as exc:
+            raise BadRequestError(f"{label}: cannot read {str(item)!r}: {exc}") from None
+    if isinstance(item, (list, tuple)):
+        return [_wire_item(frame, f"{label}[{number}]") for number, frame in enumerate(item)]
+    if isinstance(item, dict):
+        return {
+            key: (_wire_item(value, f"{label}.frames") if key == "frames" else value)
+            for key, value in item.items()
+        }
+    image_bytes = _png_bytes(item)
+    if image_bytes is not None:
+        return _data_url(image_bytes)
+    if type(item).__module__ == "numpy":
+        raise BadRequestError(
+            f"{label}: a NumPy waveform cannot be sent to an encoder server (its sampling "
+            "rate is not known here); send the encoded audio (WAV, FLAC, OGG, MP3) instead"
+        )
+    raise BadRequestError(f"{label}: unsupported item type {type(item).__name__}")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PartMetadata:
+def _png_bytes(item: object) -> bytes | None:
+    """A PIL image's lossless PNG encoding; ``None`` for anything else."""
+    from PIL import Image  # deferred: only callers that pass images pay for the import
+
+    if not isinstance(item, Image.Image):
+        return None
+    out = io.BytesIO()
+    item.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _data_url(data: bytes) -> str:
+    return _DATA_URL_PREFIX + base64.b64encode(data).decode("ascii")
+
+
+# -- the /encode answer -----------------------------------------------------------------------
+
+#: Counts and sizes: JSON integers >= 0 (``true`` is no 1: msgspec never takes a bool as int).
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+#: Where msgspec says a wrong value is: ``- at `$.grid[1]```.
+_AT_FIELD: Final = re.compile(r" - at `\$\.(\w+)")
+
+
+class PartMetadata(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The size and layout of one encoded part, as its encoder reported it.
 
     Built with :meth:`from_json`, which rejects unknown fields and wrong types, naming the
     field.
     """
 
-    req_id: str
-    part_idx: int
+    req_id: Annotated[str, msgspec.Meta(min_length=1)]
+    part_idx: _Count
     #: Bytes of the embedding.
-    embedding_size: int
+    embedding_size: _Count
     #: Tokens (rows) of the embedding.
-    embedding_len: int
+    embedding_len: _Count
     #: Width of the embedding (the language model's hidden size).
-    embedding_dim: int
+    embedding_dim: Annotated[int, msgspec.Meta(ge=1)]
     #: Tokens per item.
-    token_counts: tuple[int, ...]
+    token_counts: tuple[_Count, ...]
     #: Grid per item (``(t, h, w)`` for Qwen-family models).
-    grid: tuple[tuple[int, ...], ...]
-    #: Video parts: each item's fps, second_per_grid_ts and timestamps (optional).
+    grid: tuple[tuple[_Count, ...], ...]
+    #: Video parts: each item's fps, second_per_grid_ts and timestamps (optional: encoders
+    #: that predate it, parts it does not apply to).
     video_timing: tuple[VideoTiming, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -74,7 +145,7 @@ class PartMetadata:
             )
 
     @classmethod
-    def from_json(cls, data: object) -> PartMetadata:
+    def from_json(cls, data: object) -> Self:
         """Validate a decoded JSON answer.
 
         :raises BadRequestError: for a non-object, unknown or missing fields, wrong types or
@@ -84,45 +155,71 @@ class PartMetadata:
             raise BadRequestError(
                 f"/encode answer must be a JSON object; got {type(data).__name__}"
             )
-        raw: Mapping[str, Any] = data
-        req_id = raw.get("req_id")
-        rid = req_id if isinstance(req_id, str) else None
-        unknown = sorted(str(key) for key in raw if key not in _FIELDS)
-        if unknown:
-            raise BadRequestError(
-                f"/encode answer has unknown field(s): {', '.join(unknown)}", req_id=rid
-            )
-        missing = sorted(_FIELDS - _OPTIONAL - raw.keys())
-        if missing:
-            raise BadRequestError(
-                f"/encode answer is missing field(s): {', '.join(missing)}", req_id=rid
-            )
-        if not isinstance(req_id, str) or not req_id:
-            raise _bad("req_id", "a non-empty string", req_id, None)
-        grid = raw["grid"]
-        if not isinstance(grid, (list, tuple)):
-            raise _bad("grid", "a list of lists of ints >= 0", grid, rid)
-        return cls(
-            req_id=req_id,
-            part_idx=_int("part_idx", raw["part_idx"], 0, rid),
-            embedding_size=_int("embedding_size", raw["embedding_size"], 0, rid),
-            embedding_len=_int("embedding_len", raw["embedding_len"], 0, rid),
-            embedding_dim=_int("embedding_dim", raw["embedding_dim"], 1, rid),
-            token_counts=_ints("token_counts", raw["token_counts"], rid),
-            grid=tuple(_ints("grid", item, rid) for item in grid),
-            video_timing=_timing(raw.get("video_timing"), rid),
-        )
+        req_id = data.get("req_id")
+        rid = req_id if isinstance(req_id, str) and req_id else None
+        fields = dict(data)
+        # Video timing has its own wire rules, shared with the push header.
+        timing = fields.pop("video_timing", None)
+        try:
+            metadata = msgspec.convert(fields, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise BadRequestError(_refusal(str(exc)), req_id=rid) from None
+        if timing is None:
+            return metadata
+        try:
+            return msgspec.structs.replace(metadata, video_timing=timing_from_wire(timing))
+        except BadRequestError as exc:
+            raise BadRequestError(f"/encode answer: {exc.message}", req_id=rid) from None
 
 
-_FIELDS: Final = frozenset(f.name for f in fields(PartMetadata))
-#: Fields an answer may leave out (encoders that predate them, parts they do not apply to).
-_OPTIONAL: Final = frozenset({"video_timing"})
+def _refusal(text: str) -> str:
+    """msgspec's refusal of an answer, naming the field (``'part_idx'``)."""
+    at = _AT_FIELD.search(text)
+    if at is not None:
+        return f"/encode answer field {at.group(1)!r}: {text}"
+    # The answer's own keys: "Object missing required field `grid`", "... unknown field ...".
+    text = text.replace("Object missing required", "is missing")
+    return "/encode answer " + text.replace("Object contains unknown", "has unknown")
 
 
-def _timing(value: object, req_id: str | None) -> tuple[VideoTiming, ...] | None:
-    if value is None:
-        return None
-    try:
-        return timing_from_wire(value)
-    except BadRequestError as exc:
-        raise BadRequestError(f"/encode answer: {exc.message}", req_id=req_id) from None
+# -- the /send body ---------------------------------------------------------------------------
+
+
+def engine_address(session_id: str) -> tuple[str, int]:
+    """The host and port of a transfer engine's session id (``"host:port"``; port 0 if it
+    names none)."""
+    host, _, port = session_id.rpartition(":")
+    return host or session_id, int(port) if port.isdigit() else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqSendTarget:
+    """``/send`` body for a ZMQ delivery: the receiver's PULL endpoint."""
+
+    receive_url: str
+
+    def body(self, req_id: str) -> dict[str, Any]:
+        return {"req_id": req_id, "receive_url": self.receive_url}
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeSendTarget:
+    """``/send`` body for a Mooncake delivery: where in the receiver's registered memory the
+    encoder writes, and which engine session owns it."""
+
+    session_id: str
+    buffer_address: int
+    prefill_host: str
+    embedding_port: int
+
+    def body(self, req_id: str) -> dict[str, Any]:
+        return {
+            "req_id": req_id,
+            "session_id": self.session_id,
+            "buffer_address": self.buffer_address,
+            "prefill_host": self.prefill_host,
+            "embedding_port": self.embedding_port,
+        }
+
+
+SendTarget = ZmqSendTarget | MooncakeSendTarget

@@ -1,9 +1,10 @@
 """``PendingEmbeddings``: the landing state of one request on the prefill side.
 
 Made and owned by an ``async with receiver.expect(plan)`` block. Its ``note_*`` methods
-record what encoders said and sent (checked by :mod:`._validate`); :meth:`target` hands
-an encoder the place to send a part to, and for Mooncake tracks whether a write into its
-landing pages may still be in flight, so that leaving the block frees them or holds them
+record what encoders said and sent (checked by :mod:`._validate` against the receiver's
+:class:`EmbeddingSpec`); :meth:`target` hands an encoder the place to send a part to, in the
+receiver's :class:`Landing`, and for Mooncake tracks whether a write into its landing pages
+may still be in flight, so that leaving the block frees them or holds them
 (:mod:`._landing_holds`) until the encoder confirms the write ended.
 """
 
@@ -11,19 +12,26 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
 
-from .._errors import BadRequestError, EncdisaggError, InternalError, RequestNotActiveError
+from .._errors import (
+    BadRequestError,
+    EncdisaggError,
+    InternalError,
+    RequestNotActiveError,
+    ServiceUnavailableError,
+)
+from ._messages import MooncakeSendTarget, SendTarget, ZmqSendTarget, engine_address
 from ._plan import part_req_id
 from ._received import EmbeddingPart, ReceivedEmbeddings
-from ._targets import MooncakeSendTarget, SendTarget, ZmqSendTarget
 from ._validate import (
+    EmbeddingSpec,
     check_agreement,
     check_header_ids,
-    check_header_layout,
     check_header_payload,
     check_metadata_ids,
     check_metadata_size,
@@ -36,13 +44,63 @@ if TYPE_CHECKING:
     import torch
 
     from ..transfer import EmbeddingHeader, ReceivedPart
-    from ._landing import PageRun
-    from ._landing_holds import Recheck
+    from ._landing import LandingPool, PageRun
+    from ._landing_holds import HeldLandings, Recheck
     from ._messages import PartMetadata
     from ._plan import RequestPlan
-    from ._receiver import EmbeddingReceiver
 
-__all__ = ["PendingEmbeddings"]
+__all__ = ["Landing", "PendingEmbeddings"]
+
+
+@dataclass(slots=True, kw_only=True)
+class Landing:
+    """Where the parts of one open receiver land: what its requests' landing state needs of it.
+
+    ZMQ: ``session_id`` is the endpoint encoders push to. Mooncake: it is the engine session
+    that owns the registered ``pool``, of which a part takes a run of pages
+    (:meth:`alloc_run`), and ``held`` keeps the runs an encoder may still write into.
+    """
+
+    session_id: str
+    pool: LandingPool | None = None
+    held: HeldLandings | None = None
+    #: How long a part waits for landing pages at most.
+    alloc_timeout_s: float = 30.0
+    #: False once the receiver closes: no more pages are handed out.
+    open: bool = True
+
+    async def alloc_run(self, rid: str, nbytes: int) -> PageRun:
+        """A run of ``nbytes`` for a part of ``rid``, waiting for pages to free up. A
+        checkpoint when pages are short; cancelled while it waits, it takes no pages.
+
+        :raises BadRequestError: the part is larger than the whole pool.
+        :raises ServiceUnavailableError: no pages freed up in time, or the receiver closed.
+        """
+        pool = self.pool
+        assert pool is not None
+        count = pool.pages_for(nbytes)
+        if count > pool.num_pages:
+            raise BadRequestError(
+                f"request {rid!r}: a {nbytes}-byte part does not fit the landing pool "
+                f"({pool.num_pages} x {pool.page_bytes} bytes)",
+                req_id=rid,
+            )
+        deadline = anyio.current_time() + self.alloc_timeout_s
+        while True:
+            if not self.open:
+                raise ServiceUnavailableError("the embedding receiver closed", req_id=rid)
+            run = pool.alloc(count)
+            if run is not None:
+                return run
+            now = anyio.current_time()
+            if now >= deadline:
+                raise ServiceUnavailableError(
+                    f"request {rid!r}: no {count} free landing pages within "
+                    f"{self.alloc_timeout_s} s",
+                    req_id=rid,
+                )
+            with anyio.move_on_after(deadline - now):
+                await pool.wait_freed()
 
 
 class _Write(enum.Enum):
@@ -60,8 +118,9 @@ class PendingEmbeddings:
     the async calls around them.
     """
 
-    def __init__(self, receiver: EmbeddingReceiver, plan: RequestPlan) -> None:
-        self._receiver = receiver
+    def __init__(self, plan: RequestPlan, landing: Landing, spec: EmbeddingSpec) -> None:
+        self._landing = landing
+        self._spec = spec
         self.plan = plan
         self.rid = plan.rid
         self._metadata: dict[int, PartMetadata] = {}
@@ -113,15 +172,7 @@ class PendingEmbeddings:
         check_metadata_ids(self.plan, metadata, where)
         if metadata.part_idx in self._metadata:
             raise BadRequestError(f"{where}: part {metadata.part_idx} answered twice")
-        receiver = self._receiver
-        check_metadata_size(
-            self.plan,
-            metadata,
-            where,
-            hidden_size=receiver.hidden_size,
-            dtype=receiver.dtype,
-            itemsize=receiver.itemsize,
-        )
+        check_metadata_size(self.plan, metadata, where, self._spec)
         check_metadata_timing(self.plan, metadata, where)
         header = self._headers.get(metadata.part_idx)
         if header is not None:
@@ -141,11 +192,7 @@ class PendingEmbeddings:
         if header.error is not None:
             self.fail(encoder_error(self.plan, header))
             return
-        receiver = self._receiver
-        check_header_payload(
-            self.plan, header, where, hidden_size=receiver.hidden_size, dtype=receiver.dtype
-        )
-        check_header_layout(self.plan, header, where, layout=receiver.layout)
+        check_header_payload(self.plan, header, where, self._spec)
         if header.part_idx in self._tensors:
             raise BadRequestError(f"{where}: part {header.part_idx} arrived twice")
         metadata = self._metadata.get(header.part_idx)
@@ -158,16 +205,17 @@ class PendingEmbeddings:
 
     def note_sent(self, part_idx: int) -> None:
         """The encoder's ``/send`` of ``part_idx`` returned: for Mooncake, its bytes are in."""
-        if self._receiver.transport != "mooncake":
+        pool = self._landing.pool
+        if pool is None:
             return
         run = self._runs.get(part_idx)
         metadata = self._metadata.get(part_idx)
         if run is None or metadata is None:
             raise InternalError(f"part {part_idx} of {self.rid!r} was sent without a target")
         self._writes[part_idx] = _Write.LANDED
-        raw = self._receiver.pool.view(run, metadata.embedding_size)
+        raw = pool.view(run, metadata.embedding_size)
         shape = (metadata.embedding_len, metadata.embedding_dim)
-        self._tensors[part_idx] = raw.view(self._receiver.dtype).view(shape)
+        self._tensors[part_idx] = raw.view(self._spec.dtype).view(shape)
         self._wake()
 
     def confirm_stopped(self, part_ids: Iterable[str]) -> None:
@@ -223,7 +271,7 @@ class PendingEmbeddings:
                     video_timing=metadata.video_timing,
                 )
             )
-        return ReceivedEmbeddings(rid=self.rid, parts=tuple(parts), layout=self._receiver.layout)
+        return ReceivedEmbeddings(rid=self.rid, parts=tuple(parts), layout=self._spec.layout)
 
     # -- async around them -------------------------------------------------------------------
 
@@ -240,28 +288,24 @@ class PendingEmbeddings:
         :raises ServiceUnavailableError: no pages freed up in time, or the receiver closed.
         """
         await anyio.lowlevel.checkpoint()
-        receiver = self._receiver
+        landing = self._landing
         check_part_index(self.plan, part_idx, "target")
-        if receiver.transport == "zmq":
-            return ZmqSendTarget(receiver.url)
+        if landing.pool is None:
+            return ZmqSendTarget(landing.session_id)
         metadata = self._metadata.get(part_idx)
         if metadata is None:
             raise InternalError(f"part {part_idx} of {self.rid!r} has no metadata yet")
         if part_idx in self._runs:
             raise InternalError(f"part {part_idx} of {self.rid!r} has a target already")
-        run = await receiver._alloc_run(self.rid, metadata.embedding_size)
+        run = await landing.alloc_run(self.rid, metadata.embedding_size)
         if self._closed:
             # The request ended while the run was found: give it straight back.
-            receiver.pool.free(run)
+            landing.pool.free(run)
             raise RequestNotActiveError(f"request {self.rid!r} ended", req_id=self.rid)
         self._runs[part_idx] = run
         self._writes[part_idx] = _Write.TARGETED
-        return MooncakeSendTarget(
-            session_id=receiver.session_id,
-            buffer_address=receiver.pool.address(run),
-            prefill_host=receiver.host,
-            embedding_port=receiver.port,
-        )
+        address = landing.pool.address(run)
+        return MooncakeSendTarget(landing.session_id, address, *engine_address(landing.session_id))
 
     async def wait(self) -> ReceivedEmbeddings:
         """Wait until every part is in (or the request failed); a checkpoint.
@@ -279,14 +323,15 @@ class PendingEmbeddings:
         """Drop the tensors; free the runs nobody writes into, hold the others."""
         self._closed = True
         self._tensors.clear()
-        receiver = self._receiver
+        pool, held = self._landing.pool, self._landing.held
         for part_idx, run in self._runs.items():
+            # Only Mooncake parts have runs.
+            assert pool is not None
+            assert held is not None
             if self._writes.get(part_idx) is _Write.TARGETED:
-                receiver._hold_run(
-                    run, part_req_id(self.rid, part_idx), self._rechecks.get(part_idx)
-                )
+                held.hold(run, part_req_id(self.rid, part_idx), self._rechecks.get(part_idx))
             else:
-                receiver.pool.free(run)
+                pool.free(run)
         self._runs.clear()
         self._writes.clear()
         self._rechecks.clear()

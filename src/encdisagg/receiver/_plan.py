@@ -11,7 +11,18 @@ from dataclasses import dataclass
 from .._errors import BadRequestError
 from .._modality import Modality
 
-__all__ = ["PartPlan", "RequestPlan", "assign_parts", "part_req_id"]
+__all__ = [
+    "PartPlan",
+    "RequestPlan",
+    "assign_parts",
+    "cut",
+    "group_items",
+    "numbered",
+    "part_req_id",
+    "split_part_id",
+]
+
+# -- part ids: built and parsed here only ----------------------------------------------------
 
 #: Separates a request id from its part number in a part's id. Callers' request ids may not
 #: contain it: the library alone uses it, also to name a failed-over request's attempts.
@@ -47,6 +58,13 @@ def attempt_rid(rid: str, attempt: int) -> str:
 def part_req_id(rid: str, part_idx: int) -> str:
     """The id a part of request ``rid`` has on its encoder: ``"{rid}#{part_idx}"``."""
     return f"{rid}{PART_SEPARATOR}{part_idx}"
+
+
+def split_part_id(part_id: str) -> tuple[str, str]:
+    """``(rid, index)`` of a part id, split at its last ``#``: the request a part belongs to,
+    attempts included. ``rid`` is empty (no request's: none is) for an id without ``#``."""
+    rid, _, index = part_id.rpartition(PART_SEPARATOR)
+    return rid, index
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +107,18 @@ class RequestPlan:
         return tuple(seen)
 
 
-def _normalise(
-    items: Mapping[Modality | str, Sequence[object]],
+#: A part before it is numbered: its modality, encoder URL, items and first item's index.
+Run = tuple[Modality, str, tuple[object, ...], int]
+
+
+def group_items(
+    rid: str, items: Mapping[Modality | str, Sequence[object]]
 ) -> list[tuple[Modality, tuple[object, ...]]]:
+    """The items of request ``rid`` by modality, in enum order, so that the same request
+    always gets the same part numbering.
+
+    :raises BadRequestError: naming the field: not a map of lists, an unknown modality, no item.
+    """
     if not isinstance(items, Mapping):
         raise BadRequestError("items must map a modality to its list of media items")
     grouped: dict[Modality, list[object]] = {}
@@ -100,8 +127,31 @@ def _normalise(
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise BadRequestError(f"items[{modality.value!r}] must be a list of media items")
         grouped.setdefault(modality, []).extend(values)
-    # Enum order, so the same request always gets the same part numbering.
-    return [(m, tuple(grouped[m])) for m in Modality if grouped.get(m)]
+    ordered = [(m, tuple(grouped[m])) for m in Modality if grouped.get(m)]
+    if not ordered:
+        raise BadRequestError(f"request {rid!r} has no media items", req_id=rid)
+    return ordered
+
+
+def cut(values: tuple[object, ...], n_runs: int) -> list[tuple[tuple[object, ...], int]]:
+    """``values`` cut into ``n_runs`` runs of consecutive items whose sizes differ by one at
+    most, each with its first item's index."""
+    base, extra = divmod(len(values), n_runs)
+    runs, offset = [], 0
+    for run in range(n_runs):
+        size = base + (1 if run < extra else 0)
+        runs.append((values[offset : offset + size], offset))
+        offset += size
+    return runs
+
+
+def numbered(rid: str, runs: Sequence[Run]) -> RequestPlan:
+    """The plan of request ``rid`` whose parts are ``runs``, numbered in their order."""
+    parts = tuple(
+        PartPlan(rid, index, len(runs), modality, url, run_items, first)
+        for index, (modality, url, run_items, first) in enumerate(runs)
+    )
+    return RequestPlan(rid=rid, parts=parts)
 
 
 def assign_parts(
@@ -127,32 +177,10 @@ def assign_parts(
     check_rid(rid)
     if not urls:
         raise BadRequestError("urls must name at least one encoder", req_id=rid)
-    grouped = _normalise(items)
-    if not grouped:
-        raise BadRequestError(f"request {rid!r} has no media items", req_id=rid)
-    n_urls = len(urls)
-    cursor = start % n_urls
-    runs: list[tuple[Modality, str, tuple[object, ...], int]] = []
-    for modality, values in grouped:
-        n_runs = min(n_urls, len(values))
-        base, extra = divmod(len(values), n_runs)
-        offset = 0
-        for run in range(n_runs):
-            size = base + (1 if run < extra else 0)
-            runs.append((modality, urls[cursor], values[offset : offset + size], offset))
-            offset += size
-            cursor = (cursor + 1) % n_urls
-    num_parts = len(runs)
-    parts = tuple(
-        PartPlan(
-            rid=rid,
-            part_idx=index,
-            num_parts=num_parts,
-            modality=modality,
-            url=url,
-            items=run_items,
-            first_item=first,
-        )
-        for index, (modality, url, run_items, first) in enumerate(runs)
-    )
-    return RequestPlan(rid=rid, parts=parts)
+    cursor = start % len(urls)
+    runs: list[Run] = []
+    for modality, values in group_items(rid, items):
+        for run_items, first in cut(values, min(len(urls), len(values))):
+            runs.append((modality, urls[cursor], run_items, first))
+            cursor = (cursor + 1) % len(urls)
+    return numbered(rid, runs)

@@ -11,6 +11,8 @@ A request's landing state is a :class:`PendingEmbeddings`, owned by the ``async 
 receiver.expect(plan)`` block that created it: leaving the block frees its pages and drops
 its tensors, on every path. Pages an encoder may still write into are held instead, and
 asked about again until their encoder confirms the write ended (:class:`HeldLandings`).
+What the request's landing state needs of the receiver is its :class:`Landing` (the endpoint,
+or the pool and its session) and its :class:`EmbeddingSpec`, not the receiver itself.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import torch
 
 from .. import _tracing
 from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
-from ..transfer import EmbeddingLayout, HoldPolicy, ReceivedPart, ZmqReceiver, dtype_name
-from ._landing import LandingPool, PageRun
-from ._landing_holds import HeldLandings, Recheck
-from ._pending import PendingEmbeddings
-from ._plan import PART_SEPARATOR, RequestPlan
+from ..transfer import EmbeddingLayout, HoldPolicy, ReceivedPart, ZmqReceiver
+from ._landing import LandingPool
+from ._landing_holds import HeldLandings
+from ._messages import engine_address
+from ._pending import Landing, PendingEmbeddings
+from ._plan import RequestPlan, split_part_id
 from ._received import ReceiverStats
+from ._validate import EmbeddingSpec
 
 if TYPE_CHECKING:
     from ..transfer import TransferEngine
@@ -114,14 +118,7 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             )
         if transport == "mooncake" and engine is None:
             raise BadRequestError("transport 'mooncake' needs an engine to register landing memory")
-        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
-            raise BadRequestError(f"hidden_size must be a positive integer; got {hidden_size!r}")
-        dtype_name(dtype)
-        if layout is not None and layout.width != hidden_size:
-            raise BadRequestError(
-                f"layout has {layout.width} columns, but hidden_size is {hidden_size}"
-            )
-        self.layout = layout
+        self._spec = spec = EmbeddingSpec(hidden_size, dtype, layout)
         if isinstance(max_part_tokens, bool) or not isinstance(max_part_tokens, int):
             raise BadRequestError(f"max_part_tokens must be an integer; got {max_part_tokens!r}")
         if max_part_tokens < 1:
@@ -142,9 +139,8 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         except ValueError as exc:
             raise BadRequestError(str(exc)) from None
         self.transport = transport
-        self.hidden_size = hidden_size
-        self.dtype = dtype
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.hidden_size, self.dtype, self.layout = hidden_size, dtype, layout
+        self.itemsize = spec.itemsize
         self._engine = engine
         self._bind = bind
         self._landing_pages = landing_pages
@@ -160,13 +156,10 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         self._close_timeout_s = close_timeout_s
         self._curve_secret_key = curve_secret_key
         self._zmq: ZmqReceiver | None = None
-        self._pool: LandingPool | None = None
-        self._held: HeldLandings | None = None
-        self._session_id: str | None = None
-        self._open = False
+        # Set once open, kept once closed (its pool's figures stay readable).
+        self._landing: Landing | None = None
         self._pending: dict[str, PendingEmbeddings] = {}
         self._all_closed = anyio.Event()
-        self._space = anyio.Event()
         self._parts_received = 0
         self._stale = 0
         self._malformed = 0
@@ -190,36 +183,33 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
     @property
     def pool(self) -> LandingPool:
         """The Mooncake landing pool (``transport="mooncake"``, once open)."""
-        if self._pool is None:
+        pool = None if self._landing is None else self._landing.pool
+        if pool is None:
             raise ServiceUnavailableError("the receiver has no landing pool (not open, or ZMQ)")
-        return self._pool
+        return pool
 
     @property
     def session_id(self) -> str:
         """The engine session encoders write to."""
-        if self._session_id is None:
+        if self._landing is None:
             raise ServiceUnavailableError("the receiver is not open")
-        return self._session_id
+        return self._landing.session_id
 
     @property
     def host(self) -> str:
-        return self.session_id.rpartition(":")[0] or self.session_id
+        return engine_address(self.session_id)[0]
 
     @property
     def port(self) -> int:
-        tail = self.session_id.rpartition(":")[2]
-        return int(tail) if tail.isdigit() else 0
-
-    def _closing(self) -> bool:
-        return not self._open
+        return engine_address(self.session_id)[1]
 
     @property
     def is_open(self) -> bool:
         """Whether new requests are accepted."""
-        return self._open
+        return self._landing is not None and self._landing.open
 
     def stats(self) -> ReceiverStats:
-        pool = self._pool
+        pool = None if self._landing is None else self._landing.pool
         if pool is None:
             in_use = quarantined = retired = held_bytes = 0
         else:
@@ -243,7 +233,7 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[EmbeddingReceiver]:
-        if self._open or self._all_closed.is_set():
+        if self._landing is not None:
             raise RuntimeError("an EmbeddingReceiver is entered once")
         if self.transport == "zmq":
             async with (
@@ -255,10 +245,9 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
                 anyio.create_task_group() as group,
             ):
                 self._zmq = zmq_rx
-                self._session_id = zmq_rx.url
                 group.start_soon(self._dispatch, zmq_rx)
                 try:
-                    async with self._serving():
+                    async with self._serving(Landing(session_id=zmq_rx.url)):
                         yield self
                 finally:
                     group.cancel_scope.cancel("receiver closing")
@@ -271,25 +260,27 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             bound_s=self._quarantine_s,
             policy=self.on_quarantine_timeout,
             close_timeout_s=self._close_timeout_s,
-            on_freed=self._space_freed,
         )
         # Left in reverse: the requests end; the encoders still asked about held pages get
         # until close_timeout_s to confirm; then the pool is deregistered, or left to the
         # engine if pages are still held.
         async with pool.registered(self._engine, close_timeout_s=self._close_timeout_s), held:
-            self._pool = pool
-            self._held = held
-            self._session_id = self._engine.session_id
-            async with self._serving():
+            landing = Landing(
+                session_id=self._engine.session_id,
+                pool=pool,
+                held=held,
+                alloc_timeout_s=self._alloc_timeout_s,
+            )
+            async with self._serving(landing):
                 yield self
 
     @asynccontextmanager
-    async def _serving(self) -> AsyncIterator[None]:
-        self._open = True
+    async def _serving(self, landing: Landing) -> AsyncIterator[None]:
+        self._landing = landing
         try:
             yield
         finally:
-            self._open = False
+            landing.open = False
             for pending in list(self._pending.values()):
                 pending.fail(
                     ServiceUnavailableError("the embedding receiver closed", req_id=pending.rid)
@@ -319,60 +310,24 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         :raises RequestNotActiveError: the request id is expected already.
         """
         await anyio.lowlevel.checkpoint()
-        if not self.is_open:
+        landing = self._landing
+        if landing is None or not landing.open:
             raise ServiceUnavailableError("the embedding receiver is not open", req_id=plan.rid)
         if plan.rid in self._pending:
             raise RequestNotActiveError(
                 f"request {plan.rid!r} is expected already", req_id=plan.rid
             )
-        pending = PendingEmbeddings(self, plan)
+        pending = PendingEmbeddings(plan, landing, self._spec)
         self._pending[plan.rid] = pending
         try:
             yield pending
         finally:
             del self._pending[plan.rid]
             pending._close()
-            self._space_freed()
-            if not self._pending and self._closing():
+            if not self._pending and not self.is_open:
                 self._all_closed.set()
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _space_freed(self) -> None:
-        """Landing pages may have come back: wake the parts waiting for some."""
-        self._space.set()
-        self._space = anyio.Event()
-
-    def _hold_run(self, run: PageRun, part_id: str, recheck: Recheck | None) -> None:
-        """Hold ``run`` of part ``part_id``: a write may still land in it. Not a checkpoint."""
-        assert self._held is not None
-        self._held.hold(run, part_id, recheck)
-
-    async def _alloc_run(self, rid: str, nbytes: int) -> PageRun:
-        pool = self.pool
-        count = pool.pages_for(nbytes)
-        if count > pool.num_pages:
-            raise BadRequestError(
-                f"request {rid!r}: a {nbytes}-byte part does not fit the landing pool "
-                f"({pool.num_pages} x {pool.page_bytes} bytes)",
-                req_id=rid,
-            )
-        deadline = anyio.current_time() + self._alloc_timeout_s
-        while True:
-            if not self._open:
-                raise ServiceUnavailableError("the embedding receiver closed", req_id=rid)
-            run = pool.alloc(count)
-            if run is not None:
-                return run
-            now = anyio.current_time()
-            if now >= deadline:
-                raise ServiceUnavailableError(
-                    f"request {rid!r}: no {count} free landing pages within "
-                    f"{self._alloc_timeout_s} s",
-                    req_id=rid,
-                )
-            with anyio.move_on_after(deadline - now):
-                await self._space.wait()
 
     async def _dispatch(self, rx: ZmqReceiver) -> None:
         while True:
@@ -390,10 +345,8 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             self._deliver(received)
 
     def _route(self, part_id: str | None) -> PendingEmbeddings | None:
-        if not part_id:
-            return None
-        rid, separator, _ = part_id.rpartition(PART_SEPARATOR)
-        return self._pending.get(rid) if separator else None
+        # No request has an empty id: an id without a request's part routes nowhere.
+        return self._pending.get(split_part_id(part_id or "")[0])
 
     def _deliver(self, received: ReceivedPart) -> None:
         pending = self._route(received.header.req_id)

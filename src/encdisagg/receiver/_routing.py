@@ -23,7 +23,7 @@ from typing import Any, Final, Self
 
 from .._errors import ConfigError
 
-__all__ = ["ROUTINGS", "FleetRouting", "Slot", "affinity_key", "route_items"]
+__all__ = ["ROUTINGS", "FleetRouting", "Slot", "affinity_key", "rendezvous_weight", "route_items"]
 
 ROUTINGS: Final = ("affine", "least_loaded")
 #: Strings and byte strings up to this size are hashed whole; a longer one by its length,
@@ -114,7 +114,9 @@ class Slot:
     capacity: int
 
 
-def _weight(key: bytes, url: str) -> bytes:
+def rendezvous_weight(key: bytes, url: str) -> bytes:
+    """``url``'s weight for ``key`` in rendezvous hashing: each key ranks the encoders in
+    its own stable order."""
     return hashlib.blake2b(key + b"\0" + url.encode(), digest_size=8).digest()
 
 
@@ -142,7 +144,7 @@ def route_items(
         target = None
         if key is not None:
             in_flight = sum(slot.inflight for slot in slots)
-            for slot in sorted(slots, key=lambda s: _weight(key, s.url), reverse=True):
+            for slot in sorted(slots, key=lambda s: rendezvous_weight(key, s.url), reverse=True):
                 share = load_bound * slot.capacity * (in_flight + 1) / total_capacity
                 # The epsilon keeps a share that is whole on paper whole in floating point.
                 bound = math.ceil(share - 1e-9)

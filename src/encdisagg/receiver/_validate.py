@@ -1,14 +1,15 @@
 """Checking what encoders say about a part against the request's plan and the receiver.
 
 Pure functions, no state: a part's ``/encode`` answer (:class:`PartMetadata`) and its ZMQ
-header (:class:`EmbeddingHeader`) must each fit the plan and the receiver's width and
-dtype, and must agree with each other. Every rejection is a :class:`BadRequestError` that
-names the field. Checks against what already arrived (repeats) stay with the request's
-landing state; ``where`` names the message in every error.
+header (:class:`EmbeddingHeader`) must each fit the plan and what the receiver takes (its
+:class:`EmbeddingSpec`), and must agree with each other. Every rejection is a
+:class:`BadRequestError` that names the field. Checks against what already arrived (repeats)
+stay with the request's landing state; ``where`` names the message in every error.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._errors import (
@@ -29,9 +30,9 @@ if TYPE_CHECKING:
     from ._plan import RequestPlan
 
 __all__ = [
+    "EmbeddingSpec",
     "check_agreement",
     "check_header_ids",
-    "check_header_layout",
     "check_header_payload",
     "check_metadata_ids",
     "check_metadata_size",
@@ -39,6 +40,35 @@ __all__ = [
     "check_part_index",
     "encoder_error",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingSpec:
+    """What every embedding a receiver takes is: its width, dtype and column sections.
+
+    :raises BadRequestError: naming the field: a width that is not a positive integer, a
+        dtype the wire has no name for, a layout of another width.
+    """
+
+    hidden_size: int
+    dtype: torch.dtype
+    #: The column sections (``None``: one section, the embedding itself).
+    layout: EmbeddingLayout | None = None
+
+    def __post_init__(self) -> None:
+        size = self.hidden_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise BadRequestError(f"hidden_size must be a positive integer; got {size!r}")
+        dtype_name(self.dtype)
+        if self.layout is not None and self.layout.width != size:
+            raise BadRequestError(
+                f"layout has {self.layout.width} columns, but hidden_size is {size}"
+            )
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return self.dtype.itemsize
 
 
 def check_part_index(plan: RequestPlan, part_idx: int, where: str) -> None:
@@ -60,27 +90,22 @@ def check_metadata_ids(plan: RequestPlan, metadata: PartMetadata, where: str) ->
 
 
 def check_metadata_size(
-    plan: RequestPlan,
-    metadata: PartMetadata,
-    where: str,
-    *,
-    hidden_size: int,
-    dtype: torch.dtype,
-    itemsize: int,
+    plan: RequestPlan, metadata: PartMetadata, where: str, spec: EmbeddingSpec
 ) -> None:
     """:raises BadRequestError: a hidden size the receiver does not take, or a byte size
     that does not fit the shape."""
-    if metadata.embedding_dim != hidden_size:
+    if metadata.embedding_dim != spec.hidden_size:
         raise BadRequestError(
-            f"{where}: embedding_dim is {metadata.embedding_dim}, the receiver takes {hidden_size}",
+            f"{where}: embedding_dim is {metadata.embedding_dim}, the receiver takes "
+            f"{spec.hidden_size}",
             req_id=plan.rid,
         )
-    expected = metadata.embedding_len * metadata.embedding_dim * itemsize
+    expected = metadata.embedding_len * metadata.embedding_dim * spec.itemsize
     if metadata.embedding_size != expected:
         raise BadRequestError(
             f"{where}: embedding_size is {metadata.embedding_size} bytes; "
             f"{metadata.embedding_len} x {metadata.embedding_dim} of "
-            f"{dtype_name(dtype)} take {expected}",
+            f"{dtype_name(spec.dtype)} take {expected}",
             req_id=plan.rid,
         )
 
@@ -111,15 +136,11 @@ def check_header_ids(plan: RequestPlan, header: EmbeddingHeader, where: str) -> 
 
 
 def check_header_payload(
-    plan: RequestPlan,
-    header: EmbeddingHeader,
-    where: str,
-    *,
-    hidden_size: int,
-    dtype: torch.dtype,
+    plan: RequestPlan, header: EmbeddingHeader, where: str, spec: EmbeddingSpec
 ) -> None:
-    """:raises BadRequestError: a data part's modality, dtype or hidden size is not what
-    the plan and the receiver take."""
+    """:raises BadRequestError: a data part's modality, dtype, hidden size or layout is not
+    what the plan and the receiver take. A header without a layout is taken to have the
+    receiver's (its width is checked)."""
     planned = plan.parts[header.part_idx].modality
     if header.modality != planned.value:
         raise BadRequestError(
@@ -127,23 +148,17 @@ def check_header_payload(
             f"{planned.value!r}",
             req_id=plan.rid,
         )
-    if header.dtype != dtype_name(dtype):
+    dtype = dtype_name(spec.dtype)
+    if header.dtype != dtype:
         raise BadRequestError(
-            f"{where}: dtype is {header.dtype!r}, the receiver takes {dtype_name(dtype)!r}",
+            f"{where}: dtype is {header.dtype!r}, the receiver takes {dtype!r}", req_id=plan.rid
+        )
+    if header.shape[1] != spec.hidden_size:
+        raise BadRequestError(
+            f"{where}: hidden size is {header.shape[1]}, the receiver takes {spec.hidden_size}",
             req_id=plan.rid,
         )
-    if header.shape[1] != hidden_size:
-        raise BadRequestError(
-            f"{where}: hidden size is {header.shape[1]}, the receiver takes {hidden_size}",
-            req_id=plan.rid,
-        )
-
-
-def check_header_layout(
-    plan: RequestPlan, header: EmbeddingHeader, where: str, *, layout: EmbeddingLayout | None
-) -> None:
-    """:raises BadRequestError: a data part's header names a layout other than the
-    receiver's. A header without one is taken to have the receiver's (its width was checked)."""
+    layout = spec.layout
     if header.layout is None or header.layout == layout:
         return
     if layout is None and len(header.layout.sections) == 1:
