@@ -12,12 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._errors import (
-    BadRequestError,
-    EncdisaggError,
-    RequestTimeoutError,
-    ServiceUnavailableError,
-)
+from .._errors import BadRequestError, EncdisaggError, error_of_status
 from .._video_timing import check_video_timing
 from ..transfer import dtype_name
 from ._plan import part_req_id
@@ -196,9 +191,5 @@ def check_agreement(header: EmbeddingHeader, metadata: PartMetadata) -> None:
 
 def encoder_error(plan: RequestPlan, header: EmbeddingHeader) -> EncdisaggError:
     """The error an encoder's error part stands for, by its HTTP status (500 if none)."""
-    status = header.status or 500
     message = f"encoder failed part {header.part_idx} of request {plan.rid!r}: {header.error}"
-    for cls in (BadRequestError, RequestTimeoutError, ServiceUnavailableError):
-        if cls.status == status:
-            return cls(message, req_id=plan.rid)
-    return EncdisaggError(message, req_id=plan.rid)
+    return error_of_status(header.status or 500)(message, req_id=plan.rid)
