@@ -29,12 +29,11 @@ from ..nurseries import run_thread_to_completion
 from ..receiver import EmbeddingReceiver, EncoderClient
 from ._decode import DecodeWorker
 from ._decode_types import DecodePhase, DecodeResult, DecodeStatus
-from ._demo_types import DemoOptions, DemoReport, RequestOutcome, request_line
+from ._demo_types import DemoOptions, DemoReport, ProgressBar, RequestOutcome, request_line
 from ._images import DemoImage, demo_images
 from ._lm import BUILTIN_LANGUAGE_MODELS, LanguageModel
 from ._prefill import PrefillWorker
 from ._prefill_types import PipelineRequest, PrefillReport, PrefillStatus
-from ._progress import ProgressBar
 from ._serve import serve_asgi
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ Per request, in its caller's task (:meth:`PrefillWorker.prefill`):
 
 The staging pages and row are owned by the request's call and freed when it returns, which is
 after every write that reads them ended. Packing and writing live in :mod:`._kv_writer`, what
-an abort does to a request in :mod:`._prefill_aborts`.
+an abort does to a request in :mod:`._prefill_types`.
 """
 
 from __future__ import annotations
@@ -49,8 +49,14 @@ from ._messages import (
     PrefillMessage,
     TransferDone,
 )
-from ._prefill_aborts import AbortTombstones, PrefillJob
-from ._prefill_types import PipelineRequest, PrefillReport, PrefillStats, PrefillStatus
+from ._prefill_types import (
+    AbortTombstones,
+    PipelineRequest,
+    PrefillJob,
+    PrefillReport,
+    PrefillStats,
+    PrefillStatus,
+)
 
 if TYPE_CHECKING:
     from ..transfer import TransferEngine
