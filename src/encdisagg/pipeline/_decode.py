@@ -195,10 +195,6 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         self._idle = anyio.Event()
         return DecodeHandle(self, job)
 
-    async def generate(self, rid: str, room: int, *, max_new_tokens: int) -> DecodeResult:
-        """:meth:`admit` and wait for the outcome. A checkpoint; see :meth:`DecodeHandle.wait`."""
-        return await self.admit(rid, room, max_new_tokens=max_new_tokens).wait()
-
     async def wait_idle(self) -> None:
         """Wait until no request is live and every page is back (held ones included), but
         those of retired requests (``DecodeStats.retired_pages``), which only their late
@@ -322,10 +318,4 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
                     _log.warning(
                         "request %r: its draft state does not match its first token", rr.rid
                     )
-        return self.lm.paged_decode_step(
-            self._kv_pages,
-            tokens=[rr.output[-1] for rr in batch.reqs],
-            kv_lens=[rr.kv_len for rr in batch.reqs],
-            positions=[rr.next_position for rr in batch.reqs],
-            page_tables=[rr.req.pages for rr in batch.reqs],
-        )
+        return self.lm.paged_decode_step(self._kv_pages, batch)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from PIL import Image
     from transformers import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
+    from ..decode import DecodeBatch
     from ._paged_step import PagedDecoder
 
 __all__ = [
@@ -316,40 +317,20 @@ class LanguageModel:
             hidden=hidden.float().clone(),
         )
 
-    def paged_decode_step(
-        self,
-        kv_pages: torch.Tensor,
-        *,
-        tokens: Sequence[int],
-        kv_lens: Sequence[int],
-        positions: Sequence[int],
-        page_tables: Sequence[Sequence[int]],
-    ) -> list[int]:
-        """One batched greedy decode step over paged KV (see :class:`PagedDecoder`). Blocks."""
+    def paged_decode_step(self, kv_pages: torch.Tensor, batch: DecodeBatch) -> list[int]:
+        """One batched greedy decode step of ``batch``'s requests over the paged KV
+        ``kv_pages`` (see :class:`PagedDecoder`); returns each request's next token. Blocks."""
         from ._paged_step import PagedDecoder
 
         with self._lock, torch.inference_mode():
             if self._paged is None:
                 self._paged = PagedDecoder(self.model)
-            return self._paged.step(
-                kv_pages,
-                tokens=tokens,
-                kv_lens=kv_lens,
-                positions=positions,
-                page_tables=page_tables,
-            )
+            return self._paged.step(kv_pages, batch)
 
     def draft_top1(self, hidden: torch.Tensor) -> list[int]:
         """The token the model predicts from each row of final hidden states. Blocks."""
         with self._lock, torch.inference_mode():
             return [int(t) for t in self.model.lm_head(hidden.to(self.dtype)).argmax(-1).tolist()]
-
-    def image_token_counts(self, images: Sequence[Image.Image]) -> tuple[int, ...]:
-        """Tokens each image takes, as this model's own processor sees it. Blocks."""
-        if not images:
-            return ()
-        grid = self._process(images)["image_grid_thw"]
-        return tuple(int(row.prod()) // (self._merge * self._merge) for row in grid)
 
     def _process(self, images: Sequence[Image.Image]) -> Any:
         from transformers import Qwen2VLImageProcessorPil

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Final
 import anyio
 
 if TYPE_CHECKING:
+    from ._lm import PrefillResult
     from ._messages import KVDestination
 
 __all__ = [
@@ -107,6 +108,13 @@ class PrefillJob:
     #: True while the write thread runs: then an abort only raises ``stop``.
     writing: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
+    #: How far it got, for its report: when it started and reached each step
+    #: (``anyio.current_time()`` readings, by step: ``embedded``, ``prefilled``, ``written``),
+    #: its prefill's result and the tokens each image took.
+    started_at: float = field(default_factory=anyio.current_time)
+    times: dict[str, float] = field(default_factory=dict)
+    result: PrefillResult | None = None
+    image_tokens: tuple[int, ...] = ()
 
     def abort(self, generation: int | None) -> None:
         """Stop the request: between pages if the write thread runs, else at once.
