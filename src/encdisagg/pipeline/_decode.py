@@ -73,20 +73,17 @@ class DecodeHandle:
         except BaseException:
             self._worker.abort(job.rid)
             raise
-        assert job.result is not None
+        result = job.result
+        assert result is not None
         if self._trace is not None:
-            _record_decode(self._trace, self._admitted_ns, job.result)
-        return job.result
-
-
-def _record_decode(trace: _tracing.Trace, admitted_ns: int, result: DecodeResult) -> None:
-    attributes = {
-        "encdisagg.rid": result.rid,
-        "encdisagg.status": result.status.value,
-        "encdisagg.tokens": len(result.tokens),
-        "encdisagg.retractions": result.retractions,
-    }
-    trace.record(DECODE_SPAN, admitted_ns, _tracing.now_ns(), attributes)
+            attributes = {
+                "encdisagg.rid": result.rid,
+                "encdisagg.status": result.status.value,
+                "encdisagg.tokens": len(result.tokens),
+                "encdisagg.retractions": result.retractions,
+            }
+            self._trace.record(DECODE_SPAN, self._admitted_ns, _tracing.now_ns(), attributes)
+        return result
 
 
 class DecodeWorker(anyio.AsyncContextManagerMixin):
@@ -150,12 +147,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         self._scheduler = scheduler
         self.pool = scheduler.pool
         self.table = scheduler.table
-        self.slots = scheduler.slots
-        self.acks = scheduler.acks
-        self.sink = scheduler.sink
-        self.prealloc = scheduler.prealloc
         self.transfer = scheduler.transfer
-        self.batcher = scheduler.batcher
         # The pool seen as KV pages: [pages, layers, 2, kv_heads, page_tokens, head_dim].
         self._kv_pages = self.pool.buffer.view(lm.dtype).view(
             num_pages, *lm.kv_page_shape(page_tokens)

@@ -102,10 +102,11 @@ async def _load_models(options: DemoOptions) -> tuple[LanguageModel, LanguageMod
         return LanguageModel.from_pretrained(options.model)
 
     # Three instances: prefill, decode and the colocated reference never share a model.
-    prefill = await run_thread_to_completion(load)
-    decode = await run_thread_to_completion(load)
-    reference = await run_thread_to_completion(load)
-    return prefill, decode, reference
+    return (
+        await run_thread_to_completion(load),
+        await run_thread_to_completion(load),
+        await run_thread_to_completion(load),
+    )
 
 
 async def run_demo(
@@ -272,18 +273,15 @@ async def _open_engines(
     stack: AsyncExitStack, transfer: str
 ) -> tuple[TransferEngine, TransferEngine]:
     """Prefill's and decode's engines: Mooncake TCP, or Loopback engines on one fabric."""
-    if transfer == "mooncake":
-        from ..transfer import MooncakeEngine
-
-        mooncake_prefill = await stack.enter_async_context(MooncakeEngine())
-        mooncake_decode = await stack.enter_async_context(MooncakeEngine())
-        return mooncake_prefill, mooncake_decode
-    from ..transfer import LoopbackEngine, LoopbackFabric
+    from ..transfer import LoopbackEngine, LoopbackFabric, MooncakeEngine
 
     fabric = LoopbackFabric()
-    loopback_prefill = await stack.enter_async_context(LoopbackEngine(fabric, name="prefill"))
-    loopback_decode = await stack.enter_async_context(LoopbackEngine(fabric, name="decode"))
-    return loopback_prefill, loopback_decode
+
+    async def engine(name: str) -> TransferEngine:
+        opened = MooncakeEngine() if transfer == "mooncake" else LoopbackEngine(fabric, name=name)
+        return await stack.enter_async_context(opened)
+
+    return await engine("prefill"), await engine("decode")
 
 
 async def _settle_encoders(encoders: Sequence[Any]) -> int:

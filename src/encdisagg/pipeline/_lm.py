@@ -42,8 +42,12 @@ DRAFT_TOP_K: Final = 4
 
 #: The built-in models :meth:`LanguageModel.tiny` builds, by the encoder model's name.
 BUILTIN_LANGUAGE_MODELS: Final = ("tiny", "tiny-qwen3-vl")
-#: ``config.json`` model types of Qwen3-VL checkpoints (deepstack features).
-_QWEN3_VL_TYPES: Final = ("qwen3_vl", "qwen3_vl_moe")
+#: ``config.json`` model types of Qwen3-VL checkpoints (deepstack features) -> their
+#: transformers class; any other checkpoint loads as Qwen2-VL.
+_QWEN3_VL_CLASSES: Final = {
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+}
 
 
 class ByteTokenizer:
@@ -80,10 +84,6 @@ class PrefillResult:
     hidden: torch.Tensor | None = None
 
 
-def _eval(module: torch.nn.Module) -> None:
-    module.train(False)
-
-
 class LanguageModel:
     """A Qwen2-VL or Qwen3-VL model used as a language model over spliced image embeddings
     (for Qwen3-VL, with the deepstack sections added after the first decoder layers).
@@ -98,7 +98,7 @@ class LanguageModel:
         *,
         name: str,
     ) -> None:
-        _eval(model)
+        model.train(False)  # inference mode for dropout and norms
         self.model = model
         self.name = name
         config = model.config
@@ -172,19 +172,10 @@ class LanguageModel:
 
         :raises BadRequestError: naming ``model`` if it cannot be loaded.
         """
-        from transformers import Qwen2VLForConditionalGeneration
+        import transformers
 
-        model_class: Any = Qwen2VLForConditionalGeneration
-        if _model_type(path) in _QWEN3_VL_TYPES:
-            from transformers import (
-                Qwen3VLForConditionalGeneration,
-                Qwen3VLMoeForConditionalGeneration,
-            )
-
-            moe = _model_type(path) == "qwen3_vl_moe"
-            model_class = (
-                Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
-            )
+        class_name = _QWEN3_VL_CLASSES.get(_model_type(path), "Qwen2VLForConditionalGeneration")
+        model_class: Any = getattr(transformers, class_name)
         try:
             model = model_class.from_pretrained(
                 str(path), local_files_only=True, use_safetensors=True
@@ -372,12 +363,13 @@ class LanguageModel:
         return [int(t) for t in out[0, ids.shape[1] :]]
 
 
-def _model_type(path: str | Path) -> object:
-    """The ``model_type`` of a checkpoint folder's ``config.json`` (``None`` if unreadable)."""
+def _model_type(path: str | Path) -> str:
+    """The ``model_type`` of a checkpoint folder's ``config.json`` (``""`` if unreadable)."""
     import json
 
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
-    return config.get("model_type") if isinstance(config, dict) else None
+        return ""
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    return kind if isinstance(kind, str) else ""
