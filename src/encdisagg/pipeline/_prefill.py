@@ -166,7 +166,7 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
                 self.acks_sent += 1
             else:
                 # It may not have started here yet: remember, bounded.
-                self._tombstones.remember(message.room, message.generation)
+                self._tombstones.remember(message.room)
             return
         job.abort(message.generation)
 
@@ -228,8 +228,8 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
             raise RequestNotActiveError(f"room {room} is in use", req_id=request.rid)
         job = PrefillJob(request)
         self._jobs[room] = job
-        if room in self._tombstones:
-            job.abort(self._tombstones.pop(room))
+        if self._tombstones.forget(room):
+            job.abort(None)
         report = PrefillReport(request.rid, PrefillStatus.FAILED, "not run")
         try:
             trace = _tracing.current()

@@ -131,21 +131,24 @@ class PrefillJob:
 
 
 class AbortTombstones:
-    """Aborts of rooms not running here yet, each with its generation; bounded (the
-    oldest are forgotten first)."""
+    """Rooms aborted before they started here; bounded (the oldest are forgotten first).
+
+    Such an abort carries no generation: decode had handed out no pages for the room yet
+    (an abort with one, for a room not running here, is acked at once instead).
+    """
 
     def __init__(self, limit: int = _TOMBSTONES) -> None:
         self._limit = limit
-        self._rooms: OrderedDict[int, int | None] = OrderedDict()
+        self._rooms: OrderedDict[int, None] = OrderedDict()
 
-    def __contains__(self, room: int) -> bool:
-        return room in self._rooms
-
-    def remember(self, room: int, generation: int | None) -> None:
-        self._rooms[room] = generation
+    def remember(self, room: int) -> None:
+        self._rooms[room] = None
         while len(self._rooms) > self._limit:
             self._rooms.popitem(last=False)
 
-    def pop(self, room: int) -> int | None:
-        """Forget the abort of ``room`` (which must be remembered); returns its generation."""
-        return self._rooms.pop(room)
+    def forget(self, room: int) -> bool:
+        """Forget the abort of ``room``; returns whether one was remembered."""
+        if room not in self._rooms:
+            return False
+        del self._rooms[room]
+        return True
