@@ -40,11 +40,11 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 from encdisagg.decode import (
     AbortAckTracker,
     CommitStatus,
+    DecodeBatch,
     DecodeBatchScheduler,
     DecodePreallocQueue,
     DecodeRequest,
@@ -162,14 +162,8 @@ def _batched_decode(
         clock=time.perf_counter,
     )
 
-    def forward(step: Any) -> list[int]:
-        return lm.paged_decode_step(
-            pool,
-            tokens=[rr.output[-1] for rr in step.reqs],
-            kv_lens=[rr.kv_len for rr in step.reqs],
-            positions=[rr.next_position for rr in step.reqs],
-            page_tables=[rr.req.pages for rr in step.reqs],
-        )
+    def forward(step: DecodeBatch) -> list[int]:
+        return lm.paged_decode_step(pool, step)
 
     def run() -> float:
         for index in range(batch):

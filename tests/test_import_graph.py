@@ -34,8 +34,6 @@ KNOWN_CROWDS: dict[str, int] = {
     "encoder": 23,
     # Mooncake, ZMQ and SGLang's frames.
     "transfer": 21,
-    # The demo pipeline.
-    "pipeline": 18,
 }
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from .._errors import EncdisaggError, status_of
-from ..pipeline._progress import ProgressBar
+from ..pipeline._demo_types import ProgressBar
 from ..receiver import EncoderClient
 
 __all__ = ["LoadResult", "run_loadgen"]

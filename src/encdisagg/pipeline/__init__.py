@@ -23,6 +23,7 @@ from ._demo import (
     DemoReport as DemoReport,
     RequestOutcome as RequestOutcome,
     run_demo as run_demo,
+    serve_asgi as serve_asgi,
 )
 from ._images import DemoImage as DemoImage, demo_images as demo_images
 from ._lm import (
@@ -44,7 +45,6 @@ from ._prefill_types import (
     PrefillStats as PrefillStats,
     PrefillStatus as PrefillStatus,
 )
-from ._serve import serve_asgi as serve_asgi
 
 __all__ = (
     "LanguageModel",

@@ -73,20 +73,17 @@ class DecodeHandle:
         except BaseException:
             self._worker.abort(job.rid)
             raise
-        assert job.result is not None
+        result = job.result
+        assert result is not None
         if self._trace is not None:
-            _record_decode(self._trace, self._admitted_ns, job.result)
-        return job.result
-
-
-def _record_decode(trace: _tracing.Trace, admitted_ns: int, result: DecodeResult) -> None:
-    attributes = {
-        "encdisagg.rid": result.rid,
-        "encdisagg.status": result.status.value,
-        "encdisagg.tokens": len(result.tokens),
-        "encdisagg.retractions": result.retractions,
-    }
-    trace.record(DECODE_SPAN, admitted_ns, _tracing.now_ns(), attributes)
+            attributes = {
+                "encdisagg.rid": result.rid,
+                "encdisagg.status": result.status.value,
+                "encdisagg.tokens": len(result.tokens),
+                "encdisagg.retractions": result.retractions,
+            }
+            self._trace.record(DECODE_SPAN, self._admitted_ns, _tracing.now_ns(), attributes)
+        return result
 
 
 class DecodeWorker(anyio.AsyncContextManagerMixin):
@@ -150,12 +147,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         self._scheduler = scheduler
         self.pool = scheduler.pool
         self.table = scheduler.table
-        self.slots = scheduler.slots
-        self.acks = scheduler.acks
-        self.sink = scheduler.sink
-        self.prealloc = scheduler.prealloc
         self.transfer = scheduler.transfer
-        self.batcher = scheduler.batcher
         # The pool seen as KV pages: [pages, layers, 2, kv_heads, page_tokens, head_dim].
         self._kv_pages = self.pool.buffer.view(lm.dtype).view(
             num_pages, *lm.kv_page_shape(page_tokens)
@@ -194,10 +186,6 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         job = self._scheduler.admit(rid, room, max_new_tokens=max_new_tokens)
         self._idle = anyio.Event()
         return DecodeHandle(self, job)
-
-    async def generate(self, rid: str, room: int, *, max_new_tokens: int) -> DecodeResult:
-        """:meth:`admit` and wait for the outcome. A checkpoint; see :meth:`DecodeHandle.wait`."""
-        return await self.admit(rid, room, max_new_tokens=max_new_tokens).wait()
 
     async def wait_idle(self) -> None:
         """Wait until no request is live and every page is back (held ones included), but
@@ -322,10 +310,4 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
                     _log.warning(
                         "request %r: its draft state does not match its first token", rr.rid
                     )
-        return self.lm.paged_decode_step(
-            self._kv_pages,
-            tokens=[rr.output[-1] for rr in batch.reqs],
-            kv_lens=[rr.kv_len for rr in batch.reqs],
-            positions=[rr.next_position for rr in batch.reqs],
-            page_tables=[rr.req.pages for rr in batch.reqs],
-        )
+        return self.lm.paged_decode_step(self._kv_pages, batch)

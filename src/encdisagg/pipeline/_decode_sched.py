@@ -39,6 +39,8 @@ from ..decode import (
 )
 from ._decode_types import DecodeJob, DecodePhase, DecodeResult, DecodeStats, DecodeStatus
 from ._messages import (
+    ROPE_DELTA_WORD,
+    SEQ_LEN_WORD,
     AbortRequest,
     BootstrapInfo,
     DecodeMessage,
@@ -46,7 +48,6 @@ from ._messages import (
     KVDestination,
     PrefillMessage,
 )
-from ._rows import ROPE_DELTA_WORD, SEQ_LEN_WORD
 
 if TYPE_CHECKING:
     from ..transfer import HoldPolicy, TransferEngine

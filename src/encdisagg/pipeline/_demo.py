@@ -8,6 +8,9 @@ Topology (one process, one event loop; every hop crosses a real transport):
   own transfer engine (Loopback engines on one fabric for ``--transfer zmq``, Mooncake TCP
   engines for ``--transfer mooncake``);
 - embeddings E→P over ZMQ or Mooncake, KV P→D over the engines, control in-process.
+
+The encoder servers are served by :func:`serve_asgi`, which serves any ASGI app inside the
+caller's task group.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from __future__ import annotations
 import functools
 import random
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import AsyncExitStack, contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
@@ -29,18 +32,16 @@ from ..nurseries import run_thread_to_completion
 from ..receiver import EmbeddingReceiver, EncoderClient
 from ._decode import DecodeWorker
 from ._decode_types import DecodePhase, DecodeResult, DecodeStatus
-from ._demo_types import DemoOptions, DemoReport, RequestOutcome, request_line
+from ._demo_types import DemoOptions, DemoReport, ProgressBar, RequestOutcome, request_line
 from ._images import DemoImage, demo_images
 from ._lm import BUILTIN_LANGUAGE_MODELS, LanguageModel
 from ._prefill import PrefillWorker
 from ._prefill_types import PipelineRequest, PrefillReport, PrefillStatus
-from ._progress import ProgressBar
-from ._serve import serve_asgi
 
 if TYPE_CHECKING:
     from ..transfer import TransferEngine
 
-__all__ = ["DemoOptions", "DemoReport", "RequestOutcome", "run_demo"]
+__all__ = ["DemoOptions", "DemoReport", "RequestOutcome", "run_demo", "serve_asgi"]
 
 _PROMPTS = (
     "Describe the picture.",
@@ -103,10 +104,11 @@ async def _load_models(options: DemoOptions) -> tuple[LanguageModel, LanguageMod
         return LanguageModel.from_pretrained(options.model)
 
     # Three instances: prefill, decode and the colocated reference never share a model.
-    prefill = await run_thread_to_completion(load)
-    decode = await run_thread_to_completion(load)
-    reference = await run_thread_to_completion(load)
-    return prefill, decode, reference
+    return (
+        await run_thread_to_completion(load),
+        await run_thread_to_completion(load),
+        await run_thread_to_completion(load),
+    )
 
 
 async def run_demo(
@@ -134,22 +136,19 @@ async def run_demo(
         if options.torch_threads is not None:
             stack.enter_context(_torch_threads(options.torch_threads))
         prefill_engine, decode_engine = await _open_engines(stack, options.transfer)
-        encoders: list[Encoder] = []
-        urls: list[str] = []
-        for _ in range(options.encoders):
-            config = EncoderConfig(
-                model=options.model,
-                transfer=options.transfer,
-                device=options.device,
-                allow_local_files=False,
-                request_timeout_s=60.0,
-                send_timeout_s=60.0,
-            )
-            encoder = Encoder(config)
-            encoders.append(encoder)
-            urls.append(
-                await stack.enter_async_context(serve_asgi(create_app(encoder, flavour=flavour)))
-            )
+        config = EncoderConfig(
+            model=options.model,
+            transfer=options.transfer,
+            device=options.device,
+            allow_local_files=False,
+            request_timeout_s=60.0,
+            send_timeout_s=60.0,
+        )
+        encoders = [Encoder(config) for _ in range(options.encoders)]
+        urls = [
+            await stack.enter_async_context(serve_asgi(create_app(encoder, flavour=flavour)))
+            for encoder in encoders
+        ]
         lm_prefill, lm_decode, lm_reference = await _load_models(options)
         client = await stack.enter_async_context(EncoderClient(urls))
         receiver = await stack.enter_async_context(
@@ -185,34 +184,31 @@ async def run_demo(
         limiter = anyio.CapacityLimiter(options.concurrency)
 
         async def one(item: _Planned) -> None:
+            request = item.request
+            reports: list[PrefillReport] = []
+
+            async def run_prefill() -> None:
+                reports.append(await prefill.prefill(request))
+
+            async def abort_later(phase: DecodePhase) -> None:
+                await decode.wait_phase(request.rid, phase)
+                decode.abort(request.rid)
+
             # The root of a traced request's one trace: encode, prefill and decode below it.
             trace = _tracing.current()
-            attributes = None if trace is None else {"encdisagg.rid": item.request.rid}
+            attributes = None if trace is None else {"encdisagg.rid": request.rid}
             with _tracing.span(trace, DEMO_SPAN, attributes):
-                await run_one(item)
-
-        async def run_one(item: _Planned) -> None:
-            async with limiter:
-                request = item.request
-                handle = decode.admit(
-                    request.rid, request.room, max_new_tokens=request.max_new_tokens
-                )
-                reports: list[PrefillReport] = []
-
-                async def run_prefill() -> None:
-                    reports.append(await prefill.prefill(request))
-
-                async def abort_later(phase: DecodePhase) -> None:
-                    await decode.wait_phase(request.rid, phase)
-                    decode.abort(request.rid)
-
-                async with anyio.create_task_group() as group:
-                    group.start_soon(run_prefill)
-                    if item.abort_phase is not None:
-                        group.start_soon(abort_later, item.abort_phase)
-                    result = await handle.wait()
-                results[request.rid] = (result, reports[0])
-                bar.advance(result.status.value)
+                async with limiter:
+                    handle = decode.admit(
+                        request.rid, request.room, max_new_tokens=request.max_new_tokens
+                    )
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(run_prefill)
+                        if item.abort_phase is not None:
+                            group.start_soon(abort_later, item.abort_phase)
+                        result = await handle.wait()
+            results[request.rid] = (result, reports[0])
+            bar.advance(result.status.value)
 
         bar.draw()
         async with anyio.create_task_group() as group:
@@ -234,9 +230,6 @@ async def run_demo(
 
         outcomes = await _compare(planned, results, lm_reference)
     elapsed = anyio.current_time() - started
-    problems = []
-    if encoder_live:
-        problems.append(f"{encoder_live} requests left on the encoders")
     report = DemoReport(
         options=options,
         outcomes=tuple(outcomes),
@@ -248,12 +241,72 @@ async def run_demo(
         encoder_live=encoder_live,
         elapsed_s=elapsed,
         backend=backend,
-        problems=tuple(problems),
+        problems=(f"{encoder_live} requests left on the encoders",) if encoder_live else (),
     )
     if options.verbose:
         for outcome in outcomes:
             print(request_line(outcome), file=out)
     return report
+
+
+@asynccontextmanager
+async def serve_asgi(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    graceful_timeout_s: float = 5.0,
+    startup_timeout_s: float = 120.0,
+    shutdown_timeout_s: float = 30.0,
+) -> AsyncIterator[str]:
+    """Serve ``app`` with Hypercorn on ``host`` (a free port) for the block; yields its URL.
+
+    Runs on the current backend (:func:`encdisagg.server.serve`): a ``Quart`` app needs
+    asyncio, a ``QuartTrio`` app Trio. Entering waits (at most ``startup_timeout_s``) until
+    the app's lifespan startup completed, so the server answers from the first request on.
+    Leaving shuts it down gracefully, also when the block raised: requests in flight finish
+    (``graceful_timeout_s``), then the lifespan shutdown runs; the whole is shielded and
+    bounded by the sum of the timeouts, after which the server is cancelled.
+
+    :raises TimeoutError: the startup took longer than ``startup_timeout_s``.
+    """
+    from ..server import serve
+
+    shutdown = anyio.Event()
+    started = anyio.Event()
+    urls: list[str] = []
+
+    def on_serving(url: str) -> None:
+        urls.append(url)
+        started.set()
+
+    # Shielded: when the block raises (which cancels the task group), the server still
+    # shuts down through its trigger instead of being torn down mid-request. Its deadline,
+    # set on the way out, bounds that.
+    server_scope = anyio.CancelScope(shield=True)
+
+    async def run() -> None:
+        with server_scope:
+            await serve(
+                app,
+                host=host,
+                shutdown_trigger=shutdown.wait,
+                on_serving=on_serving,
+                graceful_timeout_s=graceful_timeout_s,
+                startup_timeout_s=startup_timeout_s,
+                shutdown_timeout_s=shutdown_timeout_s,
+            )
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        try:
+            with anyio.fail_after(startup_timeout_s):
+                await started.wait()
+            yield urls[0]
+        finally:
+            shutdown.set()
+            server_scope.deadline = (
+                anyio.current_time() + graceful_timeout_s + shutdown_timeout_s + 1.0
+            )
 
 
 @contextmanager
@@ -273,18 +326,15 @@ async def _open_engines(
     stack: AsyncExitStack, transfer: str
 ) -> tuple[TransferEngine, TransferEngine]:
     """Prefill's and decode's engines: Mooncake TCP, or Loopback engines on one fabric."""
-    if transfer == "mooncake":
-        from ..transfer import MooncakeEngine
-
-        mooncake_prefill = await stack.enter_async_context(MooncakeEngine())
-        mooncake_decode = await stack.enter_async_context(MooncakeEngine())
-        return mooncake_prefill, mooncake_decode
-    from ..transfer import LoopbackEngine, LoopbackFabric
+    from ..transfer import LoopbackEngine, LoopbackFabric, MooncakeEngine
 
     fabric = LoopbackFabric()
-    loopback_prefill = await stack.enter_async_context(LoopbackEngine(fabric, name="prefill"))
-    loopback_decode = await stack.enter_async_context(LoopbackEngine(fabric, name="decode"))
-    return loopback_prefill, loopback_decode
+
+    async def engine(name: str) -> TransferEngine:
+        opened = MooncakeEngine() if transfer == "mooncake" else LoopbackEngine(fabric, name=name)
+        return await stack.enter_async_context(opened)
+
+    return await engine("prefill"), await engine("decode")
 
 
 async def _settle_encoders(encoders: Sequence[Any]) -> int:

@@ -1,17 +1,20 @@
-"""The demo's options, its per-request outcomes and its report (the summary line)."""
+"""The demo's options, its per-request outcomes, its report (the summary line), and the
+progress bar it draws on stderr (no dependency)."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from .._devices import check_device
 from .._errors import ConfigError
 from ._decode_types import DecodePhase, DecodeStats, DecodeStatus
 from ._prefill_types import PrefillStats
 
-__all__ = ["DemoOptions", "DemoReport", "RequestOutcome", "request_line"]
+__all__ = ["DemoOptions", "DemoReport", "ProgressBar", "RequestOutcome", "request_line"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,3 +237,44 @@ def request_line(outcome: RequestOutcome) -> str:
     if outcome.status is DecodeStatus.FAILED:
         parts.append(outcome.error)
     return "  ".join(parts)
+
+
+class ProgressBar:
+    """``[#########-----------]  9/20  completed=8 aborted=1  3.1 s``.
+
+    Redraws in place on a terminal; elsewhere (a file, a pipe) it writes only the final line.
+    Reads the wall clock for display only.
+    """
+
+    def __init__(self, total: int, *, stream: TextIO, width: int = 30) -> None:
+        self.total = total
+        self.done = 0
+        self.counts: dict[str, int] = {}
+        self._stream = stream
+        self._width = width
+        self._start = time.monotonic()
+        isatty = getattr(stream, "isatty", None)
+        self._live = bool(isatty and isatty())
+
+    def line(self) -> str:
+        filled = self._width * self.done // max(1, self.total)
+        bar = "#" * filled + "-" * (self._width - filled)
+        counts = " ".join(f"{key}={value}" for key, value in sorted(self.counts.items()))
+        elapsed = time.monotonic() - self._start
+        return (
+            f"[{bar}] {self.done:>{len(str(self.total))}}/{self.total}  {counts}  {elapsed:.1f} s"
+        )
+
+    def draw(self) -> None:
+        if self._live:
+            self._stream.write("\r" + self.line())
+            self._stream.flush()
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        self.counts[label] = self.counts.get(label, 0) + 1
+        self.draw()
+
+    def finish(self) -> None:
+        self._stream.write(("\r" if self._live else "") + self.line() + "\n")
+        self._stream.flush()

@@ -20,7 +20,7 @@ import anyio
 from .._errors import BadRequestError, ServiceUnavailableError
 from ..decode import KVPagePool, MetadataSlotAllocator, MetadataSlotTable
 from ..nurseries import run_thread_to_completion
-from ._rows import ROPE_DELTA_WORD, SEQ_LEN_WORD
+from ._messages import ROPE_DELTA_WORD, SEQ_LEN_WORD
 
 if TYPE_CHECKING:
     import threading

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from PIL import Image
     from transformers import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
+    from ..decode import DecodeBatch
     from ._paged_step import PagedDecoder
 
 __all__ = [
@@ -41,8 +42,12 @@ DRAFT_TOP_K: Final = 4
 
 #: The built-in models :meth:`LanguageModel.tiny` builds, by the encoder model's name.
 BUILTIN_LANGUAGE_MODELS: Final = ("tiny", "tiny-qwen3-vl")
-#: ``config.json`` model types of Qwen3-VL checkpoints (deepstack features).
-_QWEN3_VL_TYPES: Final = ("qwen3_vl", "qwen3_vl_moe")
+#: ``config.json`` model types of Qwen3-VL checkpoints (deepstack features) -> their
+#: transformers class; any other checkpoint loads as Qwen2-VL.
+_QWEN3_VL_CLASSES: Final = {
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+}
 
 
 class ByteTokenizer:
@@ -79,10 +84,6 @@ class PrefillResult:
     hidden: torch.Tensor | None = None
 
 
-def _eval(module: torch.nn.Module) -> None:
-    module.train(False)
-
-
 class LanguageModel:
     """A Qwen2-VL or Qwen3-VL model used as a language model over spliced image embeddings
     (for Qwen3-VL, with the deepstack sections added after the first decoder layers).
@@ -97,7 +98,7 @@ class LanguageModel:
         *,
         name: str,
     ) -> None:
-        _eval(model)
+        model.train(False)  # inference mode for dropout and norms
         self.model = model
         self.name = name
         config = model.config
@@ -171,22 +172,14 @@ class LanguageModel:
 
         :raises BadRequestError: naming ``model`` if it cannot be loaded.
         """
-        from transformers import Qwen2VLForConditionalGeneration
+        import transformers
 
         from ..models._checkpoint import model_type_of
 
-        model_class: Any = Qwen2VLForConditionalGeneration
-        kind = model_type_of(str(path))
-        if kind in _QWEN3_VL_TYPES:
-            from transformers import (
-                Qwen3VLForConditionalGeneration,
-                Qwen3VLMoeForConditionalGeneration,
-            )
-
-            moe = kind == "qwen3_vl_moe"
-            model_class = (
-                Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
-            )
+        class_name = _QWEN3_VL_CLASSES.get(
+            model_type_of(str(path)) or "", "Qwen2VLForConditionalGeneration"
+        )
+        model_class: Any = getattr(transformers, class_name)
         try:
             model = model_class.from_pretrained(
                 str(path), local_files_only=True, use_safetensors=True
@@ -319,40 +312,20 @@ class LanguageModel:
             hidden=hidden.float().clone(),
         )
 
-    def paged_decode_step(
-        self,
-        kv_pages: torch.Tensor,
-        *,
-        tokens: Sequence[int],
-        kv_lens: Sequence[int],
-        positions: Sequence[int],
-        page_tables: Sequence[Sequence[int]],
-    ) -> list[int]:
-        """One batched greedy decode step over paged KV (see :class:`PagedDecoder`). Blocks."""
+    def paged_decode_step(self, kv_pages: torch.Tensor, batch: DecodeBatch) -> list[int]:
+        """One batched greedy decode step of ``batch``'s requests over the paged KV
+        ``kv_pages`` (see :class:`PagedDecoder`); returns each request's next token. Blocks."""
         from ._paged_step import PagedDecoder
 
         with self._lock, torch.inference_mode():
             if self._paged is None:
                 self._paged = PagedDecoder(self.model)
-            return self._paged.step(
-                kv_pages,
-                tokens=tokens,
-                kv_lens=kv_lens,
-                positions=positions,
-                page_tables=page_tables,
-            )
+            return self._paged.step(kv_pages, batch)
 
     def draft_top1(self, hidden: torch.Tensor) -> list[int]:
         """The token the model predicts from each row of final hidden states. Blocks."""
         with self._lock, torch.inference_mode():
             return [int(t) for t in self.model.lm_head(hidden.to(self.dtype)).argmax(-1).tolist()]
-
-    def image_token_counts(self, images: Sequence[Image.Image]) -> tuple[int, ...]:
-        """Tokens each image takes, as this model's own processor sees it. Blocks."""
-        if not images:
-            return ()
-        grid = self._process(images)["image_grid_thw"]
-        return tuple(int(row.prod()) // (self._merge * self._merge) for row in grid)
 
     def _process(self, images: Sequence[Image.Image]) -> Any:
         from transformers import Qwen2VLImageProcessorPil

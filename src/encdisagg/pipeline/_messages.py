@@ -1,14 +1,20 @@
-"""Control messages between the prefill and decode workers.
+"""What the prefill and decode workers tell each other: control messages, and the words
+prefill adds to a request's metadata row.
 
-Plain frozen values of ints and strings: in one process they are handed over as they are;
-across processes they would travel as msgpack maps with the same fields.
+The messages are plain frozen values of ints and strings: in one process they are handed over
+as they are; across processes they would travel as msgpack maps with the same fields. The row
+words are written by prefill when it packs a request's KV, and read by decode when it commits
+the request, before the transfer queue zeroes the row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 __all__ = [
+    "ROPE_DELTA_WORD",
+    "SEQ_LEN_WORD",
     "AbortRequest",
     "BootstrapInfo",
     "DecodeMessage",
@@ -17,6 +23,11 @@ __all__ = [
     "PrefillMessage",
     "TransferDone",
 ]
+
+#: Words of a metadata row past the four the decode side defines: the pipeline writes the
+#: multimodal RoPE offset and the prompt length there.
+ROPE_DELTA_WORD: Final = 4
+SEQ_LEN_WORD: Final = 5
 
 
 # -- prefill -> decode --------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from .._errors import InternalError
 if TYPE_CHECKING:
     from transformers import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
+    from ..decode import DecodeBatch
+
 __all__ = ["PagedDecoder"]
 
 
@@ -100,32 +102,28 @@ class PagedDecoder:
         scaling = rotary.attention_scaling
         return (freqs.cos() * scaling).to(hidden.dtype), (freqs.sin() * scaling).to(hidden.dtype)
 
-    def step(
-        self,
-        kv_pages: torch.Tensor,
-        *,
-        tokens: Sequence[int],
-        kv_lens: Sequence[int],
-        positions: Sequence[int],
-        page_tables: Sequence[Sequence[int]],
-    ) -> list[int]:
+    def step(self, kv_pages: torch.Tensor, running: DecodeBatch) -> list[int]:
         """The greedy next token of every request of a batch. Blocks; call under inference
         mode.
 
+        Each request feeds in its last output token, at its next RoPE position (the same on
+        all three M-RoPE axes); its new key and value land at index ``kv_len`` of its pages,
+        which are in token order and must hold ``kv_len+1`` tokens.
+
         :param kv_pages: the page pool, ``[pages, layers, 2, kv_heads, page_tokens, head_dim]``.
-        :param tokens: the token each request feeds in.
-        :param kv_lens: tokens already in each request's KV (the new one lands at that index).
-        :param positions: each new token's RoPE position (the same on all three M-RoPE axes).
-        :param page_tables: each request's pages, in token order; they must hold ``kv_len+1``.
         """
-        batch = len(tokens)
-        if not (batch == len(kv_lens) == len(positions) == len(page_tables)) or not batch:
-            raise InternalError("a decode step needs one token, length, position and table each")
+        reqs = running.reqs
+        batch = len(reqs)
+        if not batch:
+            raise InternalError("a decode step needs at least one request")
+        tokens = [rr.output[-1] for rr in reqs]
+        kv_lens = [rr.kv_len for rr in reqs]
+        positions = [rr.next_position for rr in reqs]
         page_tokens = int(kv_pages.shape[4])
         widest = max(-(-length // page_tokens) for length in kv_lens) or 1
         padded = []
         landing = []
-        for table, length in zip(page_tables, kv_lens, strict=True):
+        for table, length in zip((rr.req.pages for rr in reqs), kv_lens, strict=True):
             if len(table) * page_tokens <= length:
                 raise InternalError(f"{len(table)} pages cannot hold token {length}")
             row = list(table[:widest])

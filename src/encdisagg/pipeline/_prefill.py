@@ -14,7 +14,7 @@ Per request, in its caller's task (:meth:`PrefillWorker.prefill`):
 
 The staging pages and row are owned by the request's call and freed when it returns, which is
 after every write that reads them ended. Packing and writing live in :mod:`._kv_writer`, what
-an abort does to a request in :mod:`._prefill_aborts`.
+an abort does to a request in :mod:`._prefill_types`.
 """
 
 from __future__ import annotations
@@ -49,8 +49,14 @@ from ._messages import (
     PrefillMessage,
     TransferDone,
 )
-from ._prefill_aborts import AbortTombstones, PrefillJob
-from ._prefill_types import PipelineRequest, PrefillReport, PrefillStats, PrefillStatus
+from ._prefill_types import (
+    AbortTombstones,
+    PipelineRequest,
+    PrefillJob,
+    PrefillReport,
+    PrefillStats,
+    PrefillStatus,
+)
 
 if TYPE_CHECKING:
     from ..transfer import TransferEngine
@@ -160,7 +166,7 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
                 self.acks_sent += 1
             else:
                 # It may not have started here yet: remember, bounded.
-                self._tombstones.remember(message.room, message.generation)
+                self._tombstones.remember(message.room)
             return
         job.abort(message.generation)
 
@@ -170,11 +176,6 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
         self._decode(message)
 
     # -- lifecycle ---------------------------------------------------------------------------
-
-    @property
-    def live(self) -> int:
-        """Requests running here right now."""
-        return len(self._jobs)
 
     def stats(self) -> PrefillStats:
         return PrefillStats(
@@ -227,8 +228,8 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
             raise RequestNotActiveError(f"room {room} is in use", req_id=request.rid)
         job = PrefillJob(request)
         self._jobs[room] = job
-        if room in self._tombstones:
-            job.abort(self._tombstones.pop(room))
+        if self._tombstones.forget(room):
+            job.abort(None)
         report = PrefillReport(request.rid, PrefillStatus.FAILED, "not run")
         try:
             trace = _tracing.current()
@@ -251,55 +252,39 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
 
     async def _run(self, job: PrefillJob) -> PrefillReport:
         request = job.request
-        started = anyio.current_time()
-        times: dict[str, float] = {}
-        result: PrefillResult | None = None
-        image_tokens: tuple[int, ...] = ()
         staged: StagedKV | None = None
         try:
             with job.scope:
-                result, image_tokens = await self._embed_and_prefill(job, times)
+                result = await self._embed_and_prefill(job)
                 staged = await self._writer.stage(request, result)
                 self._send(BootstrapInfo(request.rid, request.room, result.seq_len, self.rank))
                 destination = await self._wait_destination(job)
                 self._writer.check_destination(destination, staged)
                 # From here on an abort only stops the writer between pages.
                 job.writing = True
-            if job.aborted or staged is None or result is None:
-                return self._report(
-                    job, PrefillStatus.ABORTED, started, times, result, image_tokens
-                )
+            if job.aborted or staged is None:
+                return self._report(job, PrefillStatus.ABORTED)
             with _tracing.span(_tracing.current(), KV_WRITE_SPAN):
                 wrote_all = await run_thread_to_completion(
                     self._writer.write, staged, job.destination, job.stop
                 )
-            times["written"] = anyio.current_time()
+            job.times["written"] = anyio.current_time()
             if not wrote_all:
                 self._writes_stopped += 1
-                return self._report(
-                    job, PrefillStatus.ABORTED, started, times, result, image_tokens
-                )
+                return self._report(job, PrefillStatus.ABORTED)
             self._send(TransferDone(request.rid, request.room, self.rank, ok=True))
-            return self._report(
-                job, PrefillStatus.DONE, started, times, result, image_tokens, staged.checksum
-            )
+            return self._report(job, PrefillStatus.DONE, staged.checksum)
         except EncdisaggError as exc:
             if job.aborted:
-                return self._report(
-                    job, PrefillStatus.ABORTED, started, times, result, image_tokens
-                )
+                return self._report(job, PrefillStatus.ABORTED)
             _log.warning("prefill of request %r failed: %s", request.rid, exc)
-            return self._report(
-                job, PrefillStatus.FAILED, started, times, result, image_tokens, error=str(exc)
-            )
+            return self._report(job, PrefillStatus.FAILED, error=str(exc))
         finally:
             job.writing = False
             if staged is not None:
                 self._writer.unstage(staged)
 
-    async def _embed_and_prefill(
-        self, job: PrefillJob, times: dict[str, float]
-    ) -> tuple[PrefillResult, tuple[int, ...]]:
+    async def _embed_and_prefill(self, job: PrefillJob) -> PrefillResult:
         request = job.request
         lm = self.lm
         if not request.images:
@@ -307,24 +292,25 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
             result = await run_thread_to_completion(
                 lm.prefill, ids, None, (), limiter=self._compute
             )
-            times["prefilled"] = anyio.current_time()
-            return result, ()
-        items: dict[Modality | str, Sequence[object]] = {Modality.IMAGE: request.images}
-        async with fetch_embeddings(
-            self.client, self.receiver, request.rid, items, timeout_s=self._fetch_timeout_s
-        ) as embeddings:
-            times["embedded"] = anyio.current_time()
-            images = embeddings.of(Modality.IMAGE)
-            if images is None:
-                raise InternalError(f"request {request.rid!r}: no image embeddings came back")
-            ids = lm.prompt_ids(request.prompt, images.token_counts)
-            # The thread copies the embeddings into the model's input: the landing memory is
-            # free again once this block ends.
-            result = await run_thread_to_completion(
-                lm.prefill, ids, images.tensor, images.grid, limiter=self._compute
-            )
-        times["prefilled"] = anyio.current_time()
-        return result, images.token_counts
+        else:
+            items: dict[Modality | str, Sequence[object]] = {Modality.IMAGE: request.images}
+            async with fetch_embeddings(
+                self.client, self.receiver, request.rid, items, timeout_s=self._fetch_timeout_s
+            ) as embeddings:
+                job.times["embedded"] = anyio.current_time()
+                images = embeddings.of(Modality.IMAGE)
+                if images is None:
+                    raise InternalError(f"request {request.rid!r}: no image embeddings came back")
+                ids = lm.prompt_ids(request.prompt, images.token_counts)
+                # The thread copies the embeddings into the model's input: the landing memory
+                # is free again once this block ends.
+                result = await run_thread_to_completion(
+                    lm.prefill, ids, images.tensor, images.grid, limiter=self._compute
+                )
+            job.image_tokens = images.token_counts
+        job.times["prefilled"] = anyio.current_time()
+        job.result = result
+        return result
 
     async def _wait_destination(self, job: PrefillJob) -> KVDestination:
         try:
@@ -340,17 +326,9 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
         return job.destination
 
     def _report(
-        self,
-        job: PrefillJob,
-        status: PrefillStatus,
-        started: float,
-        times: dict[str, float],
-        result: PrefillResult | None,
-        image_tokens: tuple[int, ...],
-        checksum: int = 0,
-        *,
-        error: str = "",
+        self, job: PrefillJob, status: PrefillStatus, checksum: int = 0, *, error: str = ""
     ) -> PrefillReport:
+        result = job.result
         return PrefillReport(
             rid=job.request.rid,
             status=status,
@@ -358,9 +336,9 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
             seq_len=0 if result is None else result.seq_len,
             first_token=0 if result is None else result.first_token,
             checksum=checksum,
-            image_tokens=image_tokens,
-            started_at=started,
-            embedded_at=times.get("embedded"),
-            prefilled_at=times.get("prefilled"),
-            written_at=times.get("written"),
+            image_tokens=job.image_tokens,
+            started_at=job.started_at,
+            embedded_at=job.times.get("embedded"),
+            prefilled_at=job.times.get("prefilled"),
+            written_at=job.times.get("written"),
         )

@@ -1,11 +1,37 @@
-"""The prefill worker's records: a pipeline request, how it went, the worker's statistics."""
+"""The prefill worker's records: a pipeline request, how it went, the worker's statistics,
+and how an abort from decode reaches a request, running or not started yet.
+
+A running request is a :class:`PrefillJob`: an abort cancels its scope while nothing is being
+written, and otherwise only raises ``stop``, which the write thread checks between pages (a
+write that was started is never abandoned). An abort for a request that has not started here
+yet is remembered in :class:`AbortTombstones`, so it is aborted the moment it starts.
+"""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
 
-__all__ = ["PipelineRequest", "PrefillReport", "PrefillStats", "PrefillStatus"]
+import anyio
+
+if TYPE_CHECKING:
+    from ._lm import PrefillResult
+    from ._messages import KVDestination
+
+__all__ = [
+    "AbortTombstones",
+    "PipelineRequest",
+    "PrefillJob",
+    "PrefillReport",
+    "PrefillStats",
+    "PrefillStatus",
+]
+
+#: Aborts remembered for requests that have not started here yet.
+_TOMBSTONES: Final = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +91,64 @@ class PrefillStats:
     staging_pages: int
     staging_rows_free: int
     staging_rows: int
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """One request running on the prefill worker (identity equality)."""
+
+    request: PipelineRequest
+    #: Cancelled by an abort while nothing is being written.
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    aborted: bool = False
+    #: The generation of decode's abort, once one carried it: ack it after the last write.
+    generation: int | None = None
+    destination: KVDestination | None = None
+    destination_ready: anyio.Event = field(default_factory=anyio.Event)
+    #: True while the write thread runs: then an abort only raises ``stop``.
+    writing: bool = False
+    stop: threading.Event = field(default_factory=threading.Event)
+    #: How far it got, for its report: when it started and reached each step
+    #: (``anyio.current_time()`` readings, by step: ``embedded``, ``prefilled``, ``written``),
+    #: its prefill's result and the tokens each image took.
+    started_at: float = field(default_factory=anyio.current_time)
+    times: dict[str, float] = field(default_factory=dict)
+    result: PrefillResult | None = None
+    image_tokens: tuple[int, ...] = ()
+
+    def abort(self, generation: int | None) -> None:
+        """Stop the request: between pages if the write thread runs, else at once.
+
+        ``generation`` (if not ``None``) is the abort's, to be acked once the last write
+        returned.
+        """
+        self.aborted = True
+        if generation is not None:
+            self.generation = generation
+        self.stop.set()
+        if not self.writing:
+            self.scope.cancel()
+
+
+class AbortTombstones:
+    """Rooms aborted before they started here; bounded (the oldest are forgotten first).
+
+    Such an abort carries no generation: decode had handed out no pages for the room yet
+    (an abort with one, for a room not running here, is acked at once instead).
+    """
+
+    def __init__(self, limit: int = _TOMBSTONES) -> None:
+        self._limit = limit
+        self._rooms: OrderedDict[int, None] = OrderedDict()
+
+    def remember(self, room: int) -> None:
+        self._rooms[room] = None
+        while len(self._rooms) > self._limit:
+            self._rooms.popitem(last=False)
+
+    def forget(self, room: int) -> bool:
+        """Forget the abort of ``room``; returns whether one was remembered."""
+        if room not in self._rooms:
+            return False
+        del self._rooms[room]
+        return True
