@@ -17,21 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..._config import EncoderConfig
-from ..._devices import worker_devices
-from ..._errors import BadRequestError
-from ..._hub import looks_like_hub_id, resolve_hub_model
-from ..._model_names import BUILTIN_MODEL_NAMES, SERVER_MODEL_NAMES, not_a_model
-from .._logs import LogFormat
-from .._settings import ServerSettings
+from .._config import EncoderConfig
+from .._devices import worker_devices
+from .._errors import BadRequestError
+from .._hub import looks_like_hub_id, resolve_hub_model
+from .._model_names import BUILTIN_MODEL_NAMES, SERVER_MODEL_NAMES, not_a_model
+from ..server._logs import LogFormat
+from ..server._settings import ServerSettings
 from ._config_file import read_config_file
 from ._flag_table import FLAGS, Flag
 
-__all__ = ["API_KEY_ENV", "ServeOptions", "UsageError", "resolve"]
+__all__ = ["ServeOptions", "UsageError", "resolve"]
 
 _MIB: Final = 1024 * 1024
-#: The environment variable of ``--api-key`` (keeps the key out of ``ps``).
-API_KEY_ENV: Final = "ENCDISAGG_API_KEY"
 _DEFAULTS: Final[dict[str, Any]] = {
     "server.host": "127.0.0.1",
     "server.port": 8000,
@@ -342,7 +340,7 @@ def _settings(
 
 
 def _grpc_missing() -> str | None:
-    from .._sglang._grpc_server import grpc_missing
+    from ..server._sglang._grpc_server import grpc_missing
 
     return grpc_missing()
 

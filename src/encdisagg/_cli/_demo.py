@@ -11,8 +11,8 @@ import anyio
 
 from .._devices import check_device_present
 from .._errors import BadRequestError
-from ._demo import DemoOptions, run_demo
-from ._lm import BUILTIN_LANGUAGE_MODELS
+from ..pipeline._demo import DemoOptions, run_demo
+from ..pipeline._lm import BUILTIN_LANGUAGE_MODELS
 
 __all__ = ["run_demo_command"]
 
