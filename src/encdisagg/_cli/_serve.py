@@ -14,7 +14,6 @@ import logging
 import socket
 import sys
 from contextlib import AbstractContextManager, nullcontext
-from functools import partial
 
 import anyio
 
@@ -106,16 +105,12 @@ def run_serve(args: argparse.Namespace) -> int:
         try:
             with _json_stderr(options.log_format):
                 status = anyio.run(
-                    partial(
-                        serve_until_signalled,
-                        options.config,
-                        options.settings,
-                        listener,
-                        host=options.host,
-                        port=options.port,
-                        flavour=options.worker_class,
-                        log_format=options.log_format,
-                    ),
+                    serve_until_signalled,
+                    options.config,
+                    options.settings,
+                    listener,
+                    options.worker_class,
+                    options.log_format,
                     backend=options.worker_class,
                 )
         except (Exception, BaseExceptionGroup) as exc:

@@ -59,15 +59,12 @@ async def serve_until_signalled(
     config: EncoderConfig,
     settings: ServerSettings,
     listener: socket.socket,
-    *,
-    host: str,
-    port: int,
     flavour: str,
     log_format: str,
 ) -> int:
-    """Serve ``listener`` until a signal; the exit status: 0 after a drain, 128 + the
-    signal's number after a second signal stopped it at once. Runs until then; cancelling
-    it stops the server without a drain."""
+    """Serve on ``listener`` (the ``flavour`` app: asyncio or trio) until a signal; the exit
+    status: 0 after a drain, 128 + the signal's number after a second signal stopped it at
+    once. Runs until then; cancelling it stops the server without a drain."""
     # Imported once the options are valid and the port is ours: these pull torch and the
     # model code, seconds of imports a bad option should not wait for.
     from .._app import create_app
@@ -128,8 +125,6 @@ async def serve_until_signalled(
             await group.start(_watch_signals, stop, group.cancel_scope, stop_at_once)
             await serve(
                 app,
-                host=host,
-                port=port,
                 sock=listener,
                 shutdown_trigger=shut_down,
                 on_serving=on_serving,
