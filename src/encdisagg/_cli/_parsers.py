@@ -67,7 +67,8 @@ def _command(
     *,
     abbrev: bool = False,
 ) -> argparse.ArgumentParser:
-    """A subcommand running ``handler``; ``summary`` is its line in ``encdisagg --help``."""
+    """A subcommand running ``handler``; ``summary`` is its line in ``encdisagg --help``,
+    ``abbrev`` whether its flags may be shortened (``demo`` and ``bench`` always allowed it)."""
     parser = commands.add_parser(name, allow_abbrev=abbrev, help=summary, description=about)
     parser.set_defaults(handler=handler)
     return parser
