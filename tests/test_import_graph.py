@@ -123,7 +123,7 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     # ``from .. import _tracing``: the submodule, not the package.
     assert "encdisagg._tracing" in graph["encdisagg.server._dp._calls"]
     # Inside a function (``encdisagg receive --from`` loads its fetch late).
-    assert "encdisagg._shell._receive_staged" in graph["encdisagg._shell._receive"]
+    assert "encdisagg._cli._receive_staged" in graph["encdisagg._cli._receive"]
     # Under ``TYPE_CHECKING``.
     assert (
         "encdisagg.server._sglang._grpc_service" in graph["encdisagg.server._sglang._grpc_beside"]

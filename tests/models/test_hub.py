@@ -10,10 +10,10 @@ import torch
 
 from encdisagg import BadRequestError
 from encdisagg._cli import build_parser, main
+from encdisagg._cli._serve import resolve
 from encdisagg._hub import hub_cache_dir, looks_like_hub_id, resolve_hub_model
 from encdisagg._modality import Modality
 from encdisagg.models import QwenVisionModel, build_tiny_qwen2_vl, load_model
-from encdisagg.server._serve._command import resolve
 
 from ._media_samples import make_image
 

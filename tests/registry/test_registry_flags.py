@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from encdisagg._cli import build_parser
-from encdisagg.server._serve._command import UsageError, resolve
+from encdisagg._cli._serve import UsageError, resolve
 
 
 def resolved(*argv: str):  # type: ignore[no-untyped-def]

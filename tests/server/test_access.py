@@ -13,9 +13,9 @@ import pytest
 from quart import Quart
 
 from encdisagg import BadRequestError, MooncakeDestination, ZmqDestination
+from encdisagg._cli._serve import resolve, warn_if_exposed
 from encdisagg.server import ServerSettings, mount_encoder
 from encdisagg.server._access import ApiKey, ForbiddenError, PeerAllowList, is_loopback_host
-from encdisagg.server._serve._command import resolve, warn_if_exposed
 
 from ._helpers import fast_config, running
 

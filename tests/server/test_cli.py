@@ -15,7 +15,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from encdisagg import Encoder, EncodeRequest, ZmqDestination
 from encdisagg._cli import build_parser, main
-from encdisagg.server._serve._command import resolve
+from encdisagg._cli._serve import resolve
 from encdisagg.transfer import ZmqReceiver
 
 from ._helpers import fast_config, png_bytes, png_data_url

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from encdisagg._cli import build_parser, main
+from encdisagg._cli._flag_table import FLAGS
+from encdisagg._cli._resolve import ServeOptions, UsageError, resolve
 from encdisagg._model_names import BUILTIN_MODEL_NAMES, SERVER_MODEL_NAMES
-from encdisagg.server._serve._flag_table import FLAGS
-from encdisagg.server._serve._resolve import ServeOptions, UsageError, resolve
 
 
 def resolved(*argv: str, env: dict[str, str] | None = None) -> ServeOptions:
@@ -79,7 +79,7 @@ def test_a_busy_port_is_found_before_the_server_loads(busy_port: int) -> None:
 def test_the_importable_surface_stays_light() -> None:
     code = (
         "import sys, encdisagg, encdisagg._cli, encdisagg.server, "
-        "encdisagg.server._serve._command; "
+        "encdisagg._cli._serve; "
         "print('torch' in sys.modules)"
     )
     done = subprocess.run(

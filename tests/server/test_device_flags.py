@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from encdisagg._cli import build_parser, main
-from encdisagg.server._serve._command import ServeOptions, resolve
+from encdisagg._cli._serve import ServeOptions, resolve
 
 from ._helpers import start_and_stop_recording_workers
 

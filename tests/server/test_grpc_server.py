@@ -37,9 +37,9 @@ from smg_grpc_proto.generated import sglang_encoder_pb2 as pb, sglang_encoder_pb
 
 from encdisagg import Encoder, EncodeRequest, Modality, ZmqDestination
 from encdisagg._cli import build_parser, main
+from encdisagg._cli._serve import resolve
 from encdisagg.models import NullVisionModel, Preprocessed
 from encdisagg.server import EncoderService, ServerSettings
-from encdisagg.server._serve._command import resolve
 from encdisagg.server._sglang._grpc_server import GrpcServer
 from encdisagg.transfer import ZmqReceiver
 

@@ -16,10 +16,10 @@ from quart import Quart
 
 from encdisagg import BadRequestError, Encoder, Modality
 from encdisagg._cli import build_parser
+from encdisagg._cli._serve import UsageError, resolve
 from encdisagg.models import NullVisionModel, Preprocessed
 from encdisagg.server import ServerSettings
 from encdisagg.server._logs import JsonFormatter, RequestIdFilter, TextFormatter
-from encdisagg.server._serve._command import UsageError, resolve
 
 from ._helpers import fast_config, running
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from encdisagg._cli import build_parser
-from encdisagg.server._serve._command import ServeOptions, UsageError, resolve
+from encdisagg._cli._serve import ServeOptions, UsageError, resolve
 
 
 def resolved(*argv: str) -> ServeOptions:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from encdisagg._cli import build_parser
-from encdisagg.server._serve._command import ServeOptions, UsageError, resolve
+from encdisagg._cli._serve import ServeOptions, UsageError, resolve
 
 from .._serve_cli import serving
 from ._bodies import chat_body, image_item

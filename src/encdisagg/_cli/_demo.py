@@ -5,42 +5,25 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import anyio
 
 from .._devices import check_device_present
 from .._errors import BadRequestError
-from ._demo import DemoOptions, run_demo
-from ._lm import BUILTIN_LANGUAGE_MODELS
+from ..pipeline._demo import DemoOptions, run_demo
+from ..pipeline._lm import BUILTIN_LANGUAGE_MODELS
 
 __all__ = ["run_demo_command"]
-
-#: Command-line option -> DemoOptions field (options left out keep DemoOptions' defaults).
-_FIELDS = {
-    "requests": "requests",
-    "transfer": "transfer",
-    "model": "model",
-    "abort_rate": "abort_rate",
-    "new_tokens": "new_tokens",
-    "seed": "seed",
-    "encoders": "encoders",
-    "device": "device",
-    "concurrency": "concurrency",
-    "max_images": "max_images",
-    "kv_pages": "kv_pages",
-    "max_running": "max_running",
-}
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
     """Run the demo; 0 if every check passed, 1 if one failed, 2 for bad options."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    values = {
-        field: getattr(args, option)
-        for option, field in _FIELDS.items()
-        if getattr(args, option, None) is not None
-    }
+    # Each option named like a DemoOptions field sets it; those left out keep its default.
+    names = [field.name for field in fields(DemoOptions)]
+    values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     model = values.get("model", "tiny")
     if model not in BUILTIN_LANGUAGE_MODELS and not Path(model).expanduser().is_dir():
         builtins = ", ".join(repr(name) for name in BUILTIN_LANGUAGE_MODELS)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..._config import EncoderConfig
-from ..._suggest import did_you_mean
+from .._config import EncoderConfig
+from .._suggest import did_you_mean
 from ._flag_table import SERVER_KEYS, expected, fits
 
 __all__ = ["ConfigFile", "read_config_file"]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from encdisagg._cli import build_parser
-from encdisagg._shell._encode import guess_modality, run_encode
-from encdisagg._shell._loadgen import LoadResult, images_for, latency_svg
-from encdisagg._shell._receive import run_receive
+from encdisagg._cli._encode import guess_modality, run_encode
+from encdisagg._cli._loadgen import LoadResult, images_for, latency_svg
+from encdisagg._cli._receive import run_receive
 
 
 def _closed_url() -> str:

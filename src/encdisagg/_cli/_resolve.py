@@ -17,21 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..._config import EncoderConfig
-from ..._devices import worker_devices
-from ..._errors import BadRequestError
-from ..._hub import looks_like_hub_id, resolve_hub_model
-from ..._model_names import BUILTIN_MODEL_NAMES, SERVER_MODEL_NAMES, not_a_model
-from .._logs import LogFormat
-from .._settings import ServerSettings
+from .._config import EncoderConfig
+from .._devices import worker_devices
+from .._errors import BadRequestError
+from .._hub import looks_like_hub_id, resolve_hub_model
+from .._model_names import BUILTIN_MODEL_NAMES, SERVER_MODEL_NAMES, not_a_model
+from ..server._logs import LogFormat
+from ..server._settings import ServerSettings
 from ._config_file import read_config_file
 from ._flag_table import FLAGS, Flag
 
-__all__ = ["API_KEY_ENV", "ServeOptions", "UsageError", "resolve"]
+__all__ = ["ServeOptions", "UsageError", "resolve"]
 
 _MIB: Final = 1024 * 1024
-#: The environment variable of ``--api-key`` (keeps the key out of ``ps``).
-API_KEY_ENV: Final = "ENCDISAGG_API_KEY"
 _DEFAULTS: Final[dict[str, Any]] = {
     "server.host": "127.0.0.1",
     "server.port": 8000,
@@ -46,34 +44,17 @@ _DEFAULTS: Final[dict[str, Any]] = {
 }
 #: ServerSettings field -> the option whose source an error of that field names.
 _SETTINGS_KEYS: Final = {
-    "dp": "server.dp",
-    "health_timeout_s": "server.health_timeout_s",
-    "freeze_heap": "server.freeze_heap",
-    "api_key": "server.api_key",
-    "allowed_peers": "server.allowed_peers",
-    "registry_lease_ttl_s": "server.registry_lease_ttl_s",
-    "registry": "server.registry",
-    "grpc_port": "server.grpc_port",
-    "grpc_host": "server.host",
-    "wire": "server.wire",
-    "register_with": "server.register_with",
-    "advertise_url": "server.advertise_url",
-    "drain_delay_s": "server.drain_delay_s",
-    "drain_timeout_s": "server.drain_timeout_s",
-    "ready_min_workers": "server.ready_min_workers",
-    **{
-        name: f"server.{name}"
-        for name in (
-            "vllm_connector",
-            "vllm_storage_path",
-            "vllm_store_max_bytes",
-            "vllm_store_max_age_s",
-            "vllm_dtype",
-            "vllm_control_timeout_s",
-            "vllm_refresh_after_s",
-        )
-    },
-}
+    # The [server] key of the same name; the gRPC service binds --host. Longer names first:
+    # a message about registry_lease_ttl_s must not be taken for one about registry.
+    name: "server.host" if name == "grpc_host" else f"server.{name}"
+    for name in (
+        "dp", "health_timeout_s", "freeze_heap", "api_key", "allowed_peers",
+        "registry_lease_ttl_s", "registry", "grpc_port", "grpc_host", "wire", "register_with",
+        "advertise_url", "drain_delay_s", "drain_timeout_s", "ready_min_workers",
+        "vllm_connector", "vllm_storage_path", "vllm_store_max_bytes", "vllm_store_max_age_s",
+        "vllm_dtype", "vllm_control_timeout_s", "vllm_refresh_after_s",
+    )
+}  # fmt: skip
 
 
 class UsageError(Exception):
@@ -144,17 +125,12 @@ class ServeOptions:
             return "(set)"
         if table == "encoder":
             return repr(getattr(self.config, name))
-        own = {"host": self.host, "port": self.port, "worker_class": self.worker_class}
-        if name in own:
-            return repr(own[name])
-        if name in ("log_level", "log_format"):
+        if name in ("host", "port", "worker_class", "log_level", "log_format"):
             return repr(getattr(self, name))
         if name == "max_body_mb":
             return repr(self.settings.max_body_bytes // _MIB)
         if name == "devices":
             return repr(self.settings.worker_devices or self.config.device)
-        if name == "registry_lease_ttl_s":
-            return repr(self.settings.registry_lease_ttl_s)
         return repr(getattr(self.settings, name, None))
 
 
@@ -342,7 +318,7 @@ def _settings(
 
 
 def _grpc_missing() -> str | None:
-    from .._sglang._grpc_server import grpc_missing
+    from ..server._sglang._grpc_server import grpc_missing
 
     return grpc_missing()
 
