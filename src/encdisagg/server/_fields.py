@@ -1,29 +1,41 @@
-"""Reading the fields of one decoded body strictly, naming each offending field.
+"""The fields of the server's bodies: their types, and decoding one body strictly.
 
-Shared by every message type of ``_messages`` (HTTP bodies and the data-parallel front's
-msgpack maps alike). Booleans are never integers; identifiers and addresses are bounded in
-length and charset, so no client text of unbounded size or odd characters is ever held,
-logged or quoted back.
+Shared by every body type (HTTP bodies and the data-parallel front's msgpack maps alike).
+Booleans are never integers; identifiers and addresses are bounded in length and charset, so
+no client text of unbounded size or odd characters is ever held, logged or quoted back.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Annotated, Any, Final, TypeVar
+
+import msgspec
 
 from .._errors import BadRequestError
-from ._json import shown
+from .._strict import convert, pattern, shown
 
 __all__ = [
     "MAX_REQ_ID_CHARS",
     "MAX_TEXT_CHARS",
+    "Count",
     "Fields",
+    "Identifier",
+    "ModalityName",
+    "Port",
+    "Positive",
+    "ReqId",
+    "Text",
+    "decode_fields",
     "split_host_port",
     "type_name",
     "valid_req_id",
     "zmq_url",
 ]
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 _MISSING: Any = object()
 
@@ -33,8 +45,45 @@ MAX_REQ_ID_CHARS: Final = 256
 MAX_TEXT_CHARS: Final = 512
 #: Visible ASCII: no spaces, control characters or non-ASCII (which logs and headers mangle).
 _VISIBLE: Final = re.compile(r"[\x21-\x7e]+")
+_VISIBLE_TEXT: Final = pattern(
+    r"^[\x21-\x7e]+\Z", "visible ASCII characters (no spaces or control characters)"
+)
 _HOSTNAME: Final = re.compile(r"[A-Za-z0-9_.-]+")
 _IPV6: Final = re.compile(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?")
+
+
+#: A request id: 1 to 256 visible ASCII characters.
+ReqId = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_REQ_ID_CHARS, pattern=_VISIBLE_TEXT)
+]
+#: Any other identifier or host: 1 to 512 visible ASCII characters.
+Identifier = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_TEXT_CHARS, pattern=_VISIBLE_TEXT)
+]
+#: A non-empty string of at most 512 characters (URLs, hashes).
+Text = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TEXT_CHARS)]
+#: A modality's name, checked by :meth:`~encdisagg.Modality.parse` after decoding.
+ModalityName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+def decode_fields(body: object, schema: type[S], what: str) -> S:
+    """One decoded JSON body as ``schema``; a ``null`` field counts as absent. Not async.
+
+    :raises BadRequestError: naming the first invalid field (an unknown one first), with
+        the body's ``req_id`` once that is valid (only a valid id is quoted back or logged).
+    """
+    if not isinstance(body, Mapping):
+        raise BadRequestError(f"the {what} body must be a JSON object, got {type_name(body)}")
+    raw_id = body.get("req_id")
+    error = functools.partial(BadRequestError, req_id=raw_id if valid_req_id(raw_id) else None)
+    unknown = sorted(str(key) for key in body if key not in schema.__struct_fields__)
+    if unknown:
+        raise error(f"unknown field {shown(unknown[0])} in the {what} body")
+    present = {key: value for key, value in body.items() if value is not None}
+    return convert(present, schema, f"the {what} body", error)
 
 
 def type_name(value: object) -> str:
