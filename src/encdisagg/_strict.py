@@ -36,6 +36,7 @@ _TYPES: Final = {
     "array": "a list",
     "object": "an object",
     "bytes": "bytes",
+    "ext": "a msgpack extension type",
 }
 #: Regular expressions of string fields -> what they mean, for messages (see :func:`pattern`).
 _MEANINGS: dict[str, str] = {}
