@@ -81,7 +81,7 @@ def explain(exc: msgspec.ValidationError, what: str) -> str:
             rest = rest.replace(f" matching regex {regex}", f" of {meaning}")
         return f"{field} must be {_kinds(expected[1])}{rest}"
     if value := _VALUE.match(detail):
-        return f"{field} has an unknown value {value[1][:_SHOWN_CHARS]}"
+        return f"{field} {value[1][:_SHOWN_CHARS]} is not one of the values taken here"
     if path is None:  # a __post_init__ check: its message names its field itself
         return detail
     return f"{field}: {detail}"
