@@ -72,15 +72,23 @@ def decode_fields(body: object, schema: type[S], what: str) -> S:
     :raises BadRequestError: naming the first invalid field (an unknown one first), with
         the body's ``req_id`` once that is valid (only a valid id is quoted back or logged).
     """
-    if not isinstance(body, Mapping):
-        raise BadRequestError(f"the {what} body must be a JSON object, got {type_name(body)}")
+    if not isinstance(body, dict):
+        if not isinstance(body, Mapping):
+            raise BadRequestError(f"the {what} body must be a JSON object, got {type_name(body)}")
+        body = dict(body)
     raw_id = body.get("req_id")
     error = functools.partial(BadRequestError, req_id=raw_id if valid_req_id(raw_id) else None)
-    unknown = sorted(str(key) for key in body if key not in schema.__struct_fields__)
-    if unknown:
+    if not body.keys() <= _field_names(schema):
+        unknown = sorted(str(key) for key in body.keys() - _field_names(schema))
         raise error(f"unknown field {shown(unknown[0])} in the {what} body")
-    present = {key: value for key, value in body.items() if value is not None}
-    return convert(present, schema, f"the {what} body", error)
+    if None in body.values():
+        body = {key: value for key, value in body.items() if value is not None}
+    return convert(body, schema, f"the {what} body", error)
+
+
+@functools.cache
+def _field_names(schema: type[msgspec.Struct]) -> frozenset[str]:
+    return frozenset(schema.__struct_fields__)
 
 
 def type_name(value: object) -> str:

@@ -75,10 +75,15 @@ class _Body(Message, frozen=True):
 
 
 def _check_modality(name: str) -> None:
+    if name in _MODALITY_NAMES:  # most bodies: no need to parse
+        return
     try:
         Modality.parse(name)
     except BadRequestError as exc:
         raise ValueError(exc.message) from None
+
+
+_MODALITY_NAMES: Final = frozenset(m.value for m in Modality)
 
 
 # --- /encode ---------------------------------------------------------------------------------
