@@ -255,12 +255,8 @@ class ReceiveUrlBody(Message, frozen=True):
         """
         wire = decode_fields(body, _ReceiveUrlWire, "/scheduler_receive_url")
         raw = [wire.receive_url] if isinstance(wire.receive_url, str) else wire.receive_url
-        urls: list[str] = []
-        for index, value in enumerate(raw):
-            url = _zmq(f"receive_url[{index}]", value, wire.req_id).url
-            if url not in urls:
-                urls.append(url)
-        return cls(wire.req_id, wire.receive_count, tuple(urls))
+        urls = (_zmq(f"receive_url[{i}]", url, wire.req_id).url for i, url in enumerate(raw))
+        return cls(wire.req_id, wire.receive_count, tuple(dict.fromkeys(urls)))
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack-friendly map that :meth:`from_json` reads back."""
