@@ -214,7 +214,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench(
         "decoders",
         "bench_decoders.py",
-        "strict decoding: hand-written decoders vs msgspec Structs, same bodies",
+        "strict decoding: the project's decoders vs msgspec Structs, same bodies",
         _own_args,
     ),
     Bench(

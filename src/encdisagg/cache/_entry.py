@@ -8,8 +8,8 @@ values)::
 
 ``payload_offset`` is ``8 + n`` rounded up to a multiple of 64, so the rows can be viewed in
 place as any dtype. The header is a msgpack map with exactly ``tokens``, ``hidden``,
-``dtype`` and ``grid``. A value is valid only if every field checks out *and* its size is
-exactly ``payload_offset + tokens x hidden x itemsize``.
+``dtype`` and ``grid`` (decoded strictly by msgspec). A value is valid only if every field
+checks out *and* its size is exactly ``payload_offset + tokens x hidden x itemsize``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Annotated, Final
 
-import msgpack
+import msgspec
 import torch
 
+from .. import _strict
 from ..transfer import dtype_name
 
 __all__ = [
@@ -39,8 +40,8 @@ ENTRY_MAGIC: Final = b"EDC\x01"
 MAX_ENTRY_HEADER: Final = 1024
 _PREFIX: Final = struct.Struct("<4sI")
 _ALIGN: Final = 64
-_FIELDS: Final = frozenset({"tokens", "hidden", "dtype", "grid"})
 _MAX_GRID_DIMS: Final = 8
+_Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class InvalidEntryError(ValueError):
@@ -59,32 +60,27 @@ class CachedItem:
     grid: tuple[int, ...]
 
 
+class _Header(_strict.Message, frozen=True):
+    tokens: _Count
+    hidden: _Count
+    dtype: str
+    grid: Annotated[tuple[_Count, ...], msgspec.Meta(min_length=1, max_length=_MAX_GRID_DIMS)]
+
+
+_DECODER: Final = msgspec.msgpack.Decoder(_Header, ext_hook=_strict.reject_ext)
+
+
 def _payload_offset(header_len: int) -> int:
     return -(-(_PREFIX.size + header_len) // _ALIGN) * _ALIGN
 
 
 def entry_header(tokens: int, hidden: int, dtype: torch.dtype, grid: Sequence[int]) -> bytes:
     """The bytes stored in front of an item's rows (prefix, msgpack header, padding)."""
-    packed: bytes = msgpack.packb(
-        {
-            "tokens": int(tokens),
-            "hidden": int(hidden),
-            "dtype": dtype_name(dtype),
-            "grid": [int(v) for v in grid],
-        },
-        use_bin_type=True,
-    )
+    header = _Header(int(tokens), int(hidden), dtype_name(dtype), tuple(int(v) for v in grid))
+    packed = msgspec.msgpack.encode(header)
     offset = _payload_offset(len(packed))
     prefix = _PREFIX.pack(ENTRY_MAGIC, len(packed))
     return prefix + packed + bytes(offset - len(prefix) - len(packed))
-
-
-def _no_ext(code: int, data: bytes) -> object:
-    raise ValueError(f"msgpack extension type {code} is not allowed")
-
-
-def _plain_int(value: object) -> bool:
-    return type(value) is int and value >= 0
 
 
 def read_entry(raw: torch.Tensor, *, hidden: int, dtype: torch.dtype) -> CachedItem:
@@ -108,23 +104,8 @@ def read_entry(raw: torch.Tensor, *, hidden: int, dtype: torch.dtype) -> CachedI
             f"entry header length {header_len} does not fit a {size}-byte value"
         )
     packed = raw[_PREFIX.size : _PREFIX.size + header_len].numpy().tobytes()
-    try:
-        fields = msgpack.unpackb(
-            packed, raw=False, use_list=True, strict_map_key=True, ext_hook=_no_ext, timestamp=0
-        )
-    except Exception as exc:  # msgpack raises many types; all mean "malformed" here
-        raise InvalidEntryError(f"entry header is not valid msgpack: {exc}") from None
-    if not isinstance(fields, dict) or set(fields) != _FIELDS:
-        raise InvalidEntryError("entry header must be a map of exactly tokens, hidden, dtype, grid")
-    tokens, width, name, grid = fields["tokens"], fields["hidden"], fields["dtype"], fields["grid"]
-    if not _plain_int(tokens) or not _plain_int(width):
-        raise InvalidEntryError("entry header fields tokens and hidden must be integers >= 0")
-    if (
-        not isinstance(grid, list)
-        or not 1 <= len(grid) <= _MAX_GRID_DIMS
-        or not all(_plain_int(v) for v in grid)
-    ):
-        raise InvalidEntryError(f"entry header field grid must be 1 to {_MAX_GRID_DIMS} integers")
+    header = _strict.decode(_DECODER, packed, "entry header", InvalidEntryError)
+    tokens, width, name = header.tokens, header.hidden, header.dtype
     if width != hidden or name != dtype_name(dtype):
         raise InvalidEntryError(
             f"entry holds {width}-wide {name!r} rows; this model makes {hidden}-wide "
@@ -138,4 +119,4 @@ def read_entry(raw: torch.Tensor, *, hidden: int, dtype: torch.dtype) -> CachedI
             f"{dtype.itemsize} B) needs {expected}"
         )
     rows = raw[offset:].view(dtype).view(tokens, hidden)
-    return CachedItem(rows=rows, tokens=tokens, grid=tuple(grid))
+    return CachedItem(rows=rows, tokens=tokens, grid=header.grid)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Annotated, Final
 
+import msgspec
+
+from .. import _strict
 from .._errors import BadRequestError
 from .._modality import Modality
 
@@ -16,19 +18,6 @@ __all__ = ["EncoderLoad", "EncoderRecord"]
 RECORD_VERSION: Final = 1
 #: Largest record accepted from the registry.
 MAX_RECORD_BYTES: Final = 64 * 1024
-_FIELDS: Final = frozenset(
-    {
-        "v",
-        "url",
-        "model",
-        "modalities",
-        "transfers",
-        "capacity",
-        "queue_depth",
-        "staged_bytes",
-        "draining",
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +30,33 @@ class EncoderLoad:
     staged_bytes: int = 0
 
 
-def _count(value: object, name: str, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise BadRequestError(f"encoder record: {name} must be an integer >= {minimum}")
-    return value
+_Names = Annotated[tuple[str, ...], msgspec.Meta(min_length=1)]
+_Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
-def _names(value: object, name: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        raise BadRequestError(f"encoder record: {name} must be a non-empty list of strings")
-    return tuple(value)
+class _Wire(_strict.Message, frozen=True):
+    """The record as JSON: exactly these fields."""
+
+    v: int
+    url: str
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    modalities: _Names
+    transfers: _Names
+    capacity: Annotated[int, msgspec.Meta(ge=1)]
+    queue_depth: _Count
+    staged_bytes: _Count
+    draining: bool
+
+    def __post_init__(self) -> None:
+        if self.v != RECORD_VERSION:
+            raise ValueError(f"version must be {RECORD_VERSION}; got {self.v}")
+
+
+_DECODER: Final = msgspec.json.Decoder(_Wire)
+
+
+def _error(message: str) -> BadRequestError:
+    return BadRequestError(f"encoder record: {message}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +84,8 @@ class EncoderRecord:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise BadRequestError(f"encoder record: url must be http(s); got {self.url!r}")
-        _count(self.capacity, "capacity", minimum=1)
+        if type(self.capacity) is not int or self.capacity < 1:
+            raise BadRequestError("encoder record: capacity must be an integer >= 1")
 
     def with_load(self, load: EncoderLoad) -> EncoderRecord:
         return dataclasses.replace(self, load=load)
@@ -87,18 +94,19 @@ class EncoderRecord:
         return dataclasses.replace(self, draining=True)
 
     def to_json(self) -> bytes:
-        body: dict[str, Any] = {
-            "v": RECORD_VERSION,
-            "url": self.url,
-            "model": self.model,
-            "modalities": [m.value for m in self.modalities],
-            "transfers": list(self.transfers),
-            "capacity": self.capacity,
-            "queue_depth": self.load.queue_depth,
-            "staged_bytes": self.load.staged_bytes,
-            "draining": self.draining,
-        }
-        return json.dumps(body, separators=(",", ":")).encode()
+        return msgspec.json.encode(
+            _Wire(
+                v=RECORD_VERSION,
+                url=self.url,
+                model=self.model,
+                modalities=tuple(m.value for m in self.modalities),
+                transfers=self.transfers,
+                capacity=self.capacity,
+                queue_depth=self.load.queue_depth,
+                staged_bytes=self.load.staged_bytes,
+                draining=self.draining,
+            )
+        )
 
     @classmethod
     def from_json(cls, raw: bytes) -> EncoderRecord:
@@ -108,36 +116,16 @@ class EncoderRecord:
             another version, an oversized record.
         """
         if len(raw) > MAX_RECORD_BYTES:
-            raise BadRequestError(f"encoder record: larger than {MAX_RECORD_BYTES} bytes")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise BadRequestError("encoder record: not JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequestError("encoder record: not a JSON object")
-        if body.get("v") != RECORD_VERSION:
-            raise BadRequestError(f"encoder record: version must be {RECORD_VERSION}")
-        if set(body) != _FIELDS:
-            odd = sorted(set(body) ^ _FIELDS)
-            raise BadRequestError(f"encoder record: unknown or missing field {odd[0]!r}")
-        url, model, draining = body["url"], body["model"], body["draining"]
-        if not isinstance(draining, bool):
-            raise BadRequestError("encoder record: draining must be true or false")
-        if not isinstance(url, str) or not isinstance(model, str) or not model:
-            raise BadRequestError("encoder record: url and model must be strings")
-        modalities = tuple(
-            Modality.parse(m, field="encoder record modalities")
-            for m in _names(body["modalities"], "modalities")
-        )
+            raise _error(f"larger than {MAX_RECORD_BYTES} bytes")
+        wire = _strict.decode(_DECODER, raw, "the record", _error)
         return cls(
-            url=url,
-            model=model,
-            modalities=modalities,
-            transfers=_names(body["transfers"], "transfers"),
-            capacity=_count(body["capacity"], "capacity", minimum=1),
-            load=EncoderLoad(
-                queue_depth=_count(body["queue_depth"], "queue_depth"),
-                staged_bytes=_count(body["staged_bytes"], "staged_bytes"),
+            url=wire.url,
+            model=wire.model,
+            modalities=tuple(
+                Modality.parse(m, field="encoder record modalities") for m in wire.modalities
             ),
-            draining=draining,
+            transfers=wire.transfers,
+            capacity=wire.capacity,
+            load=EncoderLoad(wire.queue_depth, wire.staged_bytes),
+            draining=wire.draining,
         )

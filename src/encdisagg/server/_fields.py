@@ -1,40 +1,94 @@
-"""Reading the fields of one decoded body strictly, naming each offending field.
+"""The fields of the server's bodies: their types, and decoding one body strictly.
 
-Shared by every message type of ``_messages`` (HTTP bodies and the data-parallel front's
-msgpack maps alike). Booleans are never integers; identifiers and addresses are bounded in
-length and charset, so no client text of unbounded size or odd characters is ever held,
-logged or quoted back.
+Shared by every body type (HTTP bodies and the data-parallel front's msgpack maps alike).
+Booleans are never integers; identifiers and addresses are bounded in length and charset, so
+no client text of unbounded size or odd characters is ever held, logged or quoted back.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Annotated, Final, TypeVar
+
+import msgspec
 
 from .._errors import BadRequestError
-from ._json import shown
+from .._strict import convert, pattern, shown
 
 __all__ = [
     "MAX_REQ_ID_CHARS",
     "MAX_TEXT_CHARS",
-    "Fields",
+    "Count",
+    "Identifier",
+    "ModalityName",
+    "Port",
+    "Positive",
+    "ReqId",
+    "Text",
+    "decode_fields",
     "split_host_port",
     "type_name",
     "valid_req_id",
     "zmq_url",
 ]
 
-_MISSING: Any = object()
+S = TypeVar("S", bound=msgspec.Struct)
 
 #: Longest ``req_id``: room for a UUID, a part suffix and a prefix, not for a payload.
 MAX_REQ_ID_CHARS: Final = 256
 #: Longest other identifier or address (session ids, hosts, URLs, hashes).
 MAX_TEXT_CHARS: Final = 512
 #: Visible ASCII: no spaces, control characters or non-ASCII (which logs and headers mangle).
-_VISIBLE: Final = re.compile(r"[\x21-\x7e]+")
+_VISIBLE_TEXT: Final = pattern(
+    r"^[\x21-\x7e]+\Z", "visible ASCII characters (no spaces or control characters)"
+)
+_VISIBLE: Final = re.compile(_VISIBLE_TEXT)
 _HOSTNAME: Final = re.compile(r"[A-Za-z0-9_.-]+")
 _IPV6: Final = re.compile(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?")
+
+
+#: A request id: 1 to 256 visible ASCII characters.
+ReqId = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_REQ_ID_CHARS, pattern=_VISIBLE_TEXT)
+]
+#: Any other identifier or host: 1 to 512 visible ASCII characters.
+Identifier = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_TEXT_CHARS, pattern=_VISIBLE_TEXT)
+]
+#: A non-empty string of at most 512 characters (URLs, hashes).
+Text = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TEXT_CHARS)]
+#: A modality's name, checked by :meth:`~encdisagg.Modality.parse` after decoding.
+ModalityName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+def decode_fields(body: object, schema: type[S], what: str) -> S:
+    """One decoded JSON body as ``schema``; a ``null`` field counts as absent. Not async.
+
+    :raises BadRequestError: naming the first invalid field (an unknown one first), with
+        the body's ``req_id`` once that is valid (only a valid id is quoted back or logged).
+    """
+    if not isinstance(body, dict):
+        if not isinstance(body, Mapping):
+            raise BadRequestError(f"the {what} body must be a JSON object, got {type_name(body)}")
+        body = dict(body)
+    raw_id = body.get("req_id")
+    error = functools.partial(BadRequestError, req_id=raw_id if valid_req_id(raw_id) else None)
+    if not body.keys() <= _field_names(schema):
+        unknown = sorted(str(key) for key in body.keys() - _field_names(schema))
+        raise error(f"unknown field {shown(unknown[0])} in the {what} body")
+    if None in body.values():
+        body = {key: value for key, value in body.items() if value is not None}
+    return convert(body, schema, f"the {what} body", error)
+
+
+@functools.cache
+def _field_names(schema: type[msgspec.Struct]) -> frozenset[str]:
+    return frozenset(schema.__struct_fields__)
 
 
 def type_name(value: object) -> str:
@@ -58,7 +112,7 @@ def valid_req_id(value: object) -> bool:
     return (
         isinstance(value, str)
         and 0 < len(value) <= MAX_REQ_ID_CHARS
-        and _VISIBLE.fullmatch(value) is not None
+        and _VISIBLE.match(value) is not None
     )
 
 
@@ -101,82 +155,3 @@ def zmq_url(name: str, value: str) -> str:
             f"got {shown(value)}"
         )
     return f"tcp://{rest}"
-
-
-class Fields:
-    """Reads the fields of one JSON object, naming each offending field in its error."""
-
-    def __init__(self, body: object, allowed: frozenset[str], what: str) -> None:
-        if not isinstance(body, Mapping):
-            raise BadRequestError(f"the {what} body must be a JSON object, got {type_name(body)}")
-        self._body: Mapping[Any, Any] = body
-        self.req_id: str | None = None
-        raw_id = body.get("req_id")
-        # Only a valid id is carried into errors (and so quoted back or logged).
-        if valid_req_id(raw_id):
-            self.req_id = raw_id
-        unknown = sorted(str(key) for key in body if key not in allowed)
-        if unknown:
-            raise BadRequestError(
-                f"unknown field {shown(unknown[0])} in the {what} body", req_id=self.req_id
-            )
-
-    def error(self, message: str) -> BadRequestError:
-        return BadRequestError(message, req_id=self.req_id)
-
-    def has(self, name: str) -> bool:
-        return self._body.get(name) is not None
-
-    def raw(self, name: str, *, required: bool) -> Any:
-        value = self._body.get(name, _MISSING)
-        if value is _MISSING or (value is None and not required):
-            if required:
-                raise self.error(f"missing field {name!r}")
-            return None
-        return value
-
-    def text(
-        self, name: str, *, required: bool = True, max_chars: int = MAX_TEXT_CHARS
-    ) -> str | None:
-        """A non-empty string of at most ``max_chars`` characters."""
-        value = self.raw(name, required=required)
-        if value is None and not required:
-            return None
-        if not isinstance(value, str) or not value:
-            raise self.error(f"{name} must be a non-empty string, got {type_name(value)}")
-        if len(value) > max_chars:
-            raise self.error(f"{name} must be at most {max_chars} characters; got {len(value)}")
-        return value
-
-    def identifier(self, name: str, *, max_chars: int = MAX_TEXT_CHARS) -> str:
-        """A required string of visible ASCII characters, at most ``max_chars``."""
-        value = self.text(name, max_chars=max_chars)
-        assert value is not None
-        if _VISIBLE.fullmatch(value) is None:
-            raise self.error(
-                f"{name} must be visible ASCII characters (no spaces or control characters)"
-            )
-        return value
-
-    def req_id_field(self) -> str:
-        """The body's ``req_id``: 1 to 256 visible ASCII characters."""
-        return self.identifier("req_id", max_chars=MAX_REQ_ID_CHARS)
-
-    def integer(
-        self,
-        name: str,
-        *,
-        required: bool = True,
-        minimum: int | None = None,
-        maximum: int | None = None,
-    ) -> int | None:
-        value = self.raw(name, required=required)
-        if value is None and not required:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(f"{name} must be an integer, got {type_name(value)}")
-        if minimum is not None and value < minimum:
-            raise self.error(f"{name} must be at least {minimum}; got {value}")
-        if maximum is not None and value > maximum:
-            raise self.error(f"{name} must be at most {maximum}; got {value}")
-        return value

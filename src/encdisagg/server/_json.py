@@ -20,6 +20,7 @@ import re
 from typing import Any, Final
 
 from .._errors import BadRequestError
+from .._strict import shown
 
 __all__ = ["INT_MAX", "INT_MIN", "MAX_DEPTH", "decode_body", "public_message", "shown"]
 
@@ -36,13 +37,6 @@ _MAX_MESSAGE_CHARS: Final = 1000
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 #: Longest piece of client text quoted back in a message.
 _SHOWN_CHARS: Final = 64
-
-
-def shown(text: str) -> str:
-    """``text`` quoted for an error message: shortened, and never a lone surrogate."""
-    if len(text) > _SHOWN_CHARS:
-        text = text[:_SHOWN_CHARS] + "..."
-    return repr(text.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace"))
 
 
 def _reject_constant(name: str) -> object:

@@ -17,8 +17,9 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
+import msgspec
 import sniffio
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
@@ -30,6 +31,7 @@ from prometheus_client.core import (
 )
 
 from .._errors import BadRequestError
+from .._strict import Message, convert
 from .._version import __version__
 from ..encoder import Encoder, EncoderEvents
 
@@ -235,64 +237,41 @@ class MetricsSnapshot:
 
     @classmethod
     def from_wire(cls, value: object) -> MetricsSnapshot:
-        """Decode :meth:`to_wire`'s map strictly.
+        """Decode :meth:`to_wire`'s map strictly. Not async.
 
         :raises BadRequestError: naming what is malformed.
         """
-        if not isinstance(value, dict) or set(value) != {
-            "requests",
-            "histograms",
-            "gauges",
-            "cache",
-        }:
-            raise BadRequestError(
-                "a metrics snapshot must have requests, histograms, gauges, cache"
-            )
-        requests: dict[tuple[str, str], int] = {}
-        for entry in _list(value["requests"], "requests"):
-            match entry:
-                case [str(modality), str(status), int(count)] if not isinstance(count, bool):
-                    requests[(modality, status)] = count
-                case _:
-                    raise BadRequestError("requests entries must be [modality, status, count]")
-        histograms: dict[str, _Histogram] = {}
-        for key, entry in _dict(value["histograms"], "histograms").items():
-            if key not in _HISTOGRAMS:
-                raise BadRequestError(f"unknown histogram {key!r}")
-            match entry:
-                case [list(counts), int(total) | float(total)] if len(counts) == len(
-                    LATENCY_BUCKETS
-                ) + 1 and all(_is_count(c) for c in counts):
-                    histograms[key] = _Histogram(list(counts), float(total))
-                case _:
-                    raise BadRequestError(f"histogram {key!r} is malformed")
-        gauges = _counts(value["gauges"], "gauges", _GAUGES)
-        cache = _counts(value["cache"], "cache", _CACHE_COUNTERS)
-        return cls(requests, histograms, gauges, cache)
+        wire = convert(value, _SnapshotWire, "a metrics snapshot", BadRequestError)
+        return cls(
+            {(modality, status): count for modality, status, count in wire.requests},
+            {key: _Histogram(counts, total) for key, (counts, total) in wire.histograms.items()},
+            wire.gauges,
+            wire.cache,
+        )
 
 
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Buckets = Annotated[
+    list[_Count],
+    msgspec.Meta(min_length=len(LATENCY_BUCKETS) + 1, max_length=len(LATENCY_BUCKETS) + 1),
+]
 
 
-def _list(value: object, name: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise BadRequestError(f"{name} must be a list")
-    return value
+class _SnapshotWire(Message, frozen=True):
+    requests: list[tuple[str, str, int]]
+    histograms: dict[str, tuple[_Buckets, float]]
+    gauges: dict[str, _Count]
+    cache: dict[str, _Count]
 
-
-def _dict(value: object, name: str) -> dict[str, Any]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise BadRequestError(f"{name} must be a map")
-    return value
-
-
-def _counts(value: object, name: str, known: Mapping[str, str]) -> dict[str, int]:
-    counts = _dict(value, name)
-    for key, count in counts.items():
-        if key not in known or not _is_count(count):
-            raise BadRequestError(f"{name}.{key} is unknown or not a count")
-    return dict(counts)
+    def __post_init__(self) -> None:
+        for name, known in (
+            ("histograms", _HISTOGRAMS),
+            ("gauges", _GAUGES),
+            ("cache", _CACHE_COUNTERS),
+        ):
+            unknown = sorted(getattr(self, name).keys() - known.keys())
+            if unknown:
+                raise ValueError(f"{name}.{unknown[0]} is unknown")
 
 
 @dataclass(frozen=True, slots=True)

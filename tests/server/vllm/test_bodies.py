@@ -65,7 +65,7 @@ def _with(body: dict[str, Any], **changes: Any) -> dict[str, Any]:
         (chat_body(image_item("a"), temperature=0), "unknown field 'temperature'"),
         (chat_body(image_item("a", detail="x")), "unknown field 'detail' in messages[0]"),
         (_with(chat_body(), messages=[{"role": "user", "content": "hi"}]), "messages[0].content"),
-        (_with(chat_body(), messages=[]), "messages must be a non-empty list"),
+        (_with(chat_body(), messages=[]), "messages must be a list of length >= 1"),
         (_with(chat_body(image_item("a")), model=None), "model must be"),
         (chat_body(image_item("a"), priority="high"), "priority must be an integer"),
         (
@@ -82,7 +82,7 @@ def _with(body: dict[str, Any], **changes: Any) -> dict[str, Any]:
             ),
             "messages[0].content[0].input_audio.format",
         ),
-        ("[]", "the body must be a JSON object"),
+        ("[]", "the body must be an object, got a string"),
     ],
 )
 def test_refusals_name_the_field(body: object, field: str) -> None:

@@ -17,7 +17,7 @@ import anyio
 
 from ... import _tracing
 from ..._errors import EncdisaggError, RequestTimeoutError, ServiceUnavailableError
-from ._ipc import ControlMessage, ReplyMessage, WorkMessage
+from ._ipc import ControlMessage, ReplyMessage, WorkMessage, WorkOp
 from ._workers import DpWorker
 
 __all__ = ["PendingCalls"]
@@ -67,7 +67,7 @@ class PendingCalls:
     async def call(
         self,
         worker: DpWorker,
-        op: str,
+        op: WorkOp,
         args: dict[str, Any],
         *,
         req_id: str | None,
@@ -116,7 +116,7 @@ class PendingCalls:
             raise pending.error
         reply = pending.reply
         assert reply is not None
-        if reply.error is not None:
+        if isinstance(reply.error, EncdisaggError):
             raise reply.error
         return reply.value
 

@@ -49,7 +49,7 @@ from .._metrics import MetricsSnapshot, ServiceSnapshot, WorkerStatus
 from .._settings import ServerSettings
 from ._calls import PendingCalls
 from ._dispatch import Router
-from ._ipc import IpcSocket, MalformedMessage, ReplyMessage
+from ._ipc import MAX_REASON_CHARS, IpcSocket, MalformedMessage, ReplyMessage, WorkOp
 from ._process_metrics import read_process_stats
 from ._workers import DpWorker, WorkerSupervisor
 
@@ -241,7 +241,8 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         if message.kind == "ready":
             self._workers[message.rank].mark_ready(message.pid)
         elif message.kind == "failed":
-            self._workers[message.rank].mark_failed(message.reason or "no reason given")
+            reason = (message.reason or "no reason given")[:MAX_REASON_CHARS]
+            self._workers[message.rank].mark_failed(reason)
         else:
             self._pending.on_reply(message)
 
@@ -250,7 +251,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     async def _call(
         self,
         rank: int,
-        op: str,
+        op: WorkOp,
         args: dict[str, Any],
         *,
         req_id: str | None,
@@ -346,7 +347,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                 f"a worker answered with a malformed result: {exc.message}", req_id=req_id
             ) from None
 
-    async def _broadcast(self, op: str, limit_s: float) -> dict[int, Any]:
+    async def _broadcast(self, op: WorkOp, limit_s: float) -> dict[int, Any]:
         """Call ``op`` on every live worker at once; a reply or an error per rank."""
         outcomes: dict[int, Any] = {}
 

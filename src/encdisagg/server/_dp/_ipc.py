@@ -20,8 +20,9 @@ Channels (the front binds, workers connect):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal, Self, cast, get_args
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, ClassVar, Final, Literal, Self, cast, get_args
 
 import anyio
 import anyio.lowlevel
@@ -29,6 +30,7 @@ import msgpack
 import msgspec
 import zmq
 
+from ... import _strict
 from ..._errors import (
     BadRequestError,
     EncdisaggError,
@@ -42,13 +44,13 @@ from ..._errors import (
 )
 
 __all__ = [
-    "CONTROL_OPS",
-    "WORK_OPS",
+    "MAX_REASON_CHARS",
     "ControlMessage",
     "IpcSocket",
     "MalformedMessage",
     "ReplyMessage",
     "WorkMessage",
+    "WorkOp",
     "error_from_wire",
     "error_to_wire",
     "pack",
@@ -57,12 +59,8 @@ __all__ = [
 
 #: Largest message a worker or the front accepts (media travel inside encode calls).
 MAX_MESSAGE_BYTES: Final = 1024 * 1024 * 1024
-
-WorkOp = Literal["encode", "send", "register", "metadata", "release", "health", "stats"]
-WORK_OPS: Final = frozenset(get_args(WorkOp))
-CONTROL_OPS: Final = frozenset({"cancel", "release", "stop"})
-#: Longest startup failure reason a worker reports (one line for the user).
-_MAX_REASON_CHARS: Final = 2000
+#: Longest startup failure reason the front shows (one line for the user).
+MAX_REASON_CHARS: Final = 2000
 
 _ERRORS: Final[dict[str, type[EncdisaggError]]] = {
     cls.__name__: cls
@@ -98,91 +96,10 @@ class MalformedMessage(ValueError):
     """A message that is not valid msgpack or does not fit its message type."""
 
 
-# -- the schemas msgspec decodes into (strict: no bools as ints, no unknown fields) ----------
-
+WorkOp = Literal["encode", "send", "register", "metadata", "release", "health", "stats"]
 #: Call ids, ranks and pids: integers >= 0 (msgspec's bounds stop at int64).
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
-
-
-class _Work(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    id: _Count
-    op: WorkOp
-    args: dict[str, Any]
-    traceparent: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
-
-
-class _Cancel(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op", tag="cancel"
-):
-    id: _Count
-
-
-class _Release(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op", tag="release"
-):
-    req_id: _Name
-
-
-class _Stop(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op", tag="stop"):
-    pass
-
-
-class _Error(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    type: _ErrorName
-    message: str
-    req_id: str | None
-
-
-class _Ready(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind", tag="ready"
-):
-    rank: _Count
-    pid: _Count
-
-
-class _Failed(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind", tag="failed"
-):
-    rank: _Count
-    reason: str
-
-
-class _Result(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind", tag="result"
-):
-    rank: _Count
-    id: _Count
-    # UNSET tells an absent field from an explicit nil value.
-    value: Any = msgspec.UNSET
-    error: _Error | msgspec.UnsetType = msgspec.UNSET
-
-
-_Control = _Cancel | _Release | _Stop
-_Reply = _Ready | _Failed | _Result
-
-
-def _no_ext(code: int, data: memoryview) -> object:
-    raise ValueError(f"msgpack extension type {code} is not allowed")
-
-
-_WORK: Final = msgspec.msgpack.Decoder(_Work, ext_hook=_no_ext)
-_CONTROL: Final = msgspec.msgpack.Decoder(_Control, ext_hook=_no_ext)
-_REPLY: Final = msgspec.msgpack.Decoder(_Reply, ext_hook=_no_ext)
-
-
-def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes, what: str) -> Any:
-    try:
-        return decoder.decode(data)
-    except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
-        raise MalformedMessage(f"{what}: {exc}") from None
-
-
-def _convert(value: object, schema: Any, what: str) -> Any:
-    try:
-        return msgspec.convert(value, schema, strict=True)
-    except msgspec.ValidationError as exc:
-        raise MalformedMessage(f"{what}: {exc}") from None
 
 
 def pack(value: dict[str, Any]) -> bytes:
@@ -206,74 +123,96 @@ def unpack(data: bytes) -> dict[str, Any]:
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class WorkMessage:
+class _Ipc(_strict.Message, frozen=True, omit_defaults=True):
+    """A message of one channel: strict (no bools as ints, no unknown fields), decoded by
+    msgspec from the bytes straight to the message."""
+
+    _WHAT: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        """The message as a map for :func:`pack`."""
+        wire: dict[str, Any] = msgspec.to_builtins(self, enc_hook=_error_to_builtins)
+        return wire
+
+    @classmethod
+    def decode(cls, data: bytes) -> Self:
+        """The message in ``data`` (msgpack). Not async.
+
+        :raises MalformedMessage: if it does not fit.
+        """
+        message: Self = _strict.decode(_decoder(cls), data, cls._WHAT, MalformedMessage)
+        return message
+
+    @classmethod
+    def from_wire(cls, value: dict[str, Any]) -> Self:
+        """The message in a map as :func:`unpack` gives it.
+
+        :raises MalformedMessage: if it does not fit.
+        """
+        return cls.decode(pack(value))
+
+
+@functools.cache
+def _decoder(cls: type[_Ipc]) -> msgspec.msgpack.Decoder[Any]:
+    return msgspec.msgpack.Decoder(cls, dec_hook=_error_from_builtins, ext_hook=_strict.reject_ext)
+
+
+class WorkMessage(_Ipc, frozen=True):
     """One call for a worker: ``op`` with ``args`` (a route's body map, or empty), and the
     caller's ``traceparent`` when it is traced (the worker's spans continue its trace)."""
 
-    id: int
-    op: str
+    _WHAT: ClassVar[str] = "work message"
+
+    id: _Count
+    op: WorkOp
     args: dict[str, Any]
-    traceparent: str | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"id": self.id, "op": self.op, "args": self.args}
-        if self.traceparent is not None:
-            wire["traceparent"] = self.traceparent
-        return wire
-
-    @classmethod
-    def decode(cls, data: bytes) -> Self:
-        """The message in ``data`` (msgpack). :raises MalformedMessage: if it does not fit."""
-        return cls._build(_decode(_WORK, data, "work message"))
-
-    @classmethod
-    def from_wire(cls, value: dict[str, Any]) -> Self:
-        """:raises MalformedMessage: if ``value`` does not fit."""
-        return cls._build(_convert(value, _Work, "work message"))
-
-    @classmethod
-    def _build(cls, work: _Work) -> Self:
-        return cls(work.id, work.op, work.args, work.traceparent)
+    traceparent: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ControlMessage:
+def _check_shape(message: _Ipc, shapes: Mapping[str, tuple[frozenset[str], ...]]) -> None:
+    """Refuse a message whose optional fields are not those its first field (``op`` or
+    ``kind``) calls for: ``shapes`` lists the ones each may carry (one set, or a choice)."""
+    kind = getattr(message, message.__struct_fields__[0])
+    defaults = message.__struct_defaults__
+    optional = message.__struct_fields__[-len(defaults) :]
+    given = {n for n, d in zip(optional, defaults, strict=True) if getattr(message, n) is not d}
+    if given not in shapes[kind]:
+        needs = " or ".join(_names(shape) for shape in shapes[kind])
+        raise ValueError(f"a {kind} {message._WHAT} carries {needs}, not {_names(given)}")
+
+
+def _names(fields: Iterable[str]) -> str:
+    return "{" + ", ".join(sorted(fields)) + "}"
+
+
+class ControlMessage(_Ipc, frozen=True):
     """``cancel`` call ``id``; ``release`` request ``req_id``; or ``stop``."""
 
-    op: str
-    id: int | None = None
-    req_id: str | None = None
+    _WHAT: ClassVar[str] = "control message"
 
-    def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"op": self.op}
-        if self.id is not None:
-            wire["id"] = self.id
-        if self.req_id is not None:
-            wire["req_id"] = self.req_id
-        return wire
+    op: Literal["cancel", "release", "stop"]
+    id: _Count | None = None
+    req_id: _Name | None = None
 
-    @classmethod
-    def decode(cls, data: bytes) -> Self:
-        """The message in ``data`` (msgpack). :raises MalformedMessage: if it does not fit."""
-        return cls._build(_decode(_CONTROL, data, "control message"))
+    def __post_init__(self) -> None:
+        _check_shape(self, _CONTROL_SHAPES)
 
-    @classmethod
-    def from_wire(cls, value: dict[str, Any]) -> Self:
-        """:raises MalformedMessage: if ``value`` does not fit."""
-        return cls._build(_convert(value, _Control, "control message"))
 
-    @classmethod
-    def _build(cls, control: _Control) -> Self:
-        if isinstance(control, _Cancel):
-            return cls("cancel", id=control.id)
-        if isinstance(control, _Release):
-            return cls("release", req_id=control.req_id)
-        return cls("stop")
+_CONTROL_SHAPES: Final = {
+    "cancel": (frozenset({"id"}),),
+    "release": (frozenset({"req_id"}),),
+    "stop": (frozenset(),),
+}
+
+
+class _Error(_strict.Message, frozen=True):
+    type: _ErrorName
+    message: str
+    req_id: str | None
 
 
 def error_to_wire(error: EncdisaggError) -> dict[str, Any]:
-    """An error as a map: its class name, status, message and ``req_id``."""
+    """An error as a map: its class name, message and ``req_id``."""
     name = type(error).__name__
     if name not in _ERRORS:
         name = next(
@@ -288,64 +227,47 @@ def error_from_wire(value: object) -> EncdisaggError:
 
     :raises MalformedMessage: if ``value`` does not fit.
     """
-    return _error(_convert(value, _Error, "error"))
-
-
-def _error(error: _Error) -> EncdisaggError:
+    error = _strict.convert(value, _Error, "the error map", MalformedMessage)
     return _ERRORS[error.type](error.message, req_id=error.req_id)
 
 
-@dataclass(frozen=True, slots=True)
-class ReplyMessage:
+def _error_to_builtins(value: object) -> object:
+    if isinstance(value, EncdisaggError):
+        return error_to_wire(value)
+    raise NotImplementedError(f"{type(value).__name__} is no message field")
+
+
+def _error_from_builtins(kind: type, value: object) -> object:
+    if kind is EncdisaggError:
+        return error_from_wire(value)  # MalformedMessage is a ValueError: msgspec names it
+    raise NotImplementedError(f"{kind.__name__} is no message field")
+
+
+class ReplyMessage(_Ipc, frozen=True):
     """From a worker: ``kind="result"`` of call ``id`` (``value`` or ``error``),
     ``kind="ready"`` once its Encoder is open, or ``kind="failed"`` (``reason``, one line)
-    if it could not open it."""
+    if it could not open it. ``value`` and ``error`` are ``UNSET`` where not given."""
 
-    kind: str
-    rank: int
-    id: int | None = None
-    value: Any = None
-    error: EncdisaggError | None = None
-    pid: int | None = None
+    _WHAT: ClassVar[str] = "reply message"
+
+    kind: Literal["result", "ready", "failed"]
+    rank: _Count
+    id: _Count | None = None
+    # UNSET tells an absent value from an explicit nil one.
+    value: Any = msgspec.UNSET
+    error: EncdisaggError | msgspec.UnsetType = msgspec.UNSET
+    pid: _Count | None = None
     reason: str | None = None
 
-    def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"kind": self.kind, "rank": self.rank}
-        if self.kind == "ready":
-            wire["pid"] = self.pid
-            return wire
-        if self.kind == "failed":
-            wire["reason"] = self.reason
-            return wire
-        wire["id"] = self.id
-        if self.error is not None:
-            wire["error"] = error_to_wire(self.error)
-        else:
-            wire["value"] = self.value
-        return wire
+    def __post_init__(self) -> None:
+        _check_shape(self, _REPLY_SHAPES)
 
-    @classmethod
-    def decode(cls, data: bytes) -> Self:
-        """The message in ``data`` (msgpack). :raises MalformedMessage: if it does not fit."""
-        return cls._build(_decode(_REPLY, data, "reply message"))
 
-    @classmethod
-    def from_wire(cls, value: dict[str, Any]) -> Self:
-        """:raises MalformedMessage: if ``value`` does not fit."""
-        return cls._build(_convert(value, _Reply, "reply message"))
-
-    @classmethod
-    def _build(cls, reply: _Reply) -> Self:
-        if isinstance(reply, _Ready):
-            return cls("ready", reply.rank, pid=reply.pid)
-        if isinstance(reply, _Failed):
-            return cls("failed", reply.rank, reason=reply.reason[:_MAX_REASON_CHARS])
-        has_value = reply.value is not msgspec.UNSET
-        if has_value == isinstance(reply.error, _Error):
-            raise MalformedMessage("a result has either a value or an error")
-        if isinstance(reply.error, _Error):
-            return cls("result", reply.rank, id=reply.id, error=_error(reply.error))
-        return cls("result", reply.rank, id=reply.id, value=reply.value)
+_REPLY_SHAPES: Final = {
+    "result": (frozenset({"id", "value"}), frozenset({"id", "error"})),
+    "ready": (frozenset({"pid"}),),
+    "failed": (frozenset({"reason"}),),
+}
 
 
 class IpcSocket:

@@ -10,38 +10,42 @@ back with the receiver's buffer. Unknown fields and wrong types are still refuse
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Final, Self
+from typing import Annotated, Any, Self
+
+import msgspec
 
 from ..._errors import BadRequestError
 from ..._modality import Modality
+from ..._strict import Message
 from ...encoder import MooncakeDestination
-from .._fields import Fields, type_name
+from .._fields import Count, Identifier, Port, Positive, ReqId, Text, decode_fields
 from .._json import INT_MAX
 from .._messages import MAX_PUSH_URLS, EncodeBody, SendBody
 
 __all__ = ["SglangEncodeBody", "SglangSendBody", "metadata_answer"]
 
-_ENCODE_FIELDS: Final = frozenset(
-    {
-        "req_id",
-        "mm_items",
-        "modality",
-        "num_parts",
-        "part_idx",
-        "hashes",
-        "prefill_host",
-        "embedding_port",
-        "encoder_idx",
-        "encoder_url",
-        "time_stats_json",
-    }
-)
+_Ports = Annotated[list[Port], msgspec.Meta(min_length=1, max_length=MAX_PUSH_URLS)]
 
 
-@dataclass(frozen=True, slots=True)
-class SglangEncodeBody:
+class _EncodeWire(Message, frozen=True):
+    # Ours: checked by EncodeBody.
+    req_id: Any = None
+    mm_items: Any = None
+    modality: Any = None
+    num_parts: Any = None
+    part_idx: Any = None
+    # One per grid entry (per item for images and videos), or a lone scalar; an integer is
+    # taken as its decimal text.
+    hashes: Text | int | list[Text | int] | None = None
+    prefill_host: Identifier | None = None
+    embedding_port: Port | _Ports | None = None
+    # Sent by SGLang, meaningful only to SGLang: checked for type, then left alone.
+    encoder_idx: Count | None = None
+    encoder_url: Text | None = None
+    time_stats_json: str | dict[str, Any] | None = None
+
+
+class SglangEncodeBody(Message, frozen=True):
     """``POST /encode`` as SGLang's tokenizer sends it.
 
     :ivar encode: the part as our Encoder takes it (``hashes`` one per item).
@@ -57,93 +61,60 @@ class SglangEncodeBody:
 
     @classmethod
     def from_json(cls, body: object) -> Self:
-        """:raises BadRequestError: naming the first invalid field."""
-        fields = Fields(body, _ENCODE_FIELDS, "/encode")
-        assert isinstance(body, Mapping)
-        # Sent by SGLang, meaningful only to SGLang: checked for type, then left alone.
-        fields.integer("encoder_idx", required=False, minimum=0)
-        fields.text("encoder_url", required=False)
-        stats = fields.raw("time_stats_json", required=False)
-        if stats is not None and not isinstance(stats, (str, Mapping)):
-            raise fields.error(
-                f"time_stats_json must be a string or object, got {type_name(stats)}"
-            )
+        """Decode ``body`` (decoded JSON). Not async.
+
+        :raises BadRequestError: naming the first invalid field.
+        """
+        wire = decode_fields(body, _EncodeWire, "/encode")
+        hashes = wire.hashes
         ours = {
-            key: body[key]
-            for key in ("req_id", "mm_items", "modality", "num_parts", "part_idx")
-            if body.get(key) is not None
+            "req_id": wire.req_id,
+            "mm_items": wire.mm_items,
+            "modality": wire.modality,
+            "num_parts": wire.num_parts,
+            "part_idx": wire.part_idx,
+            "hashes": None
+            if hashes is None
+            else [str(value) for value in (hashes if isinstance(hashes, list) else [hashes])],
         }
-        hashes = _hashes(fields, len(body.get("mm_items") or ()))
-        if hashes is not None:
-            ours["hashes"] = hashes
         encode = EncodeBody.from_json(ours)
-        host = None if body.get("prefill_host") is None else fields.identifier("prefill_host")
-        return cls(encode, Modality.parse(encode.modality), host, _push_urls(fields, host, body))
-
-
-def _hashes(fields: Fields, items: int) -> list[str] | None:
-    """SGLang's ``hashes``: a list (one per grid entry: per item for images and videos) or
-    a lone scalar; integers are taken as their decimal text."""
-    raw = fields.raw("hashes", required=False)
-    if raw is None:
-        return None
-    values = raw if isinstance(raw, list) else [raw]
-    out = []
-    for index, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise fields.error(
-                f"hashes[{index}] must be a string or integer, got {type_name(value)}"
+        urls = None
+        if wire.embedding_port is not None:
+            if wire.prefill_host is None:
+                raise BadRequestError(
+                    "missing field 'prefill_host' (needed with embedding_port)",
+                    req_id=encode.req_id,
+                )
+            ports = wire.embedding_port
+            host = _bracketed(wire.prefill_host)
+            urls = tuple(
+                dict.fromkeys(
+                    f"tcp://{host}:{port}"
+                    for port in (ports if isinstance(ports, list) else [ports])
+                )
             )
-        out.append(str(value))
-    if len(out) != items:
-        raise fields.error(f"hashes has {len(out)} entries but mm_items has {items}")
-    return out
-
-
-def _push_urls(fields: Fields, host: str | None, body: Mapping[str, Any]) -> tuple[str, ...] | None:
-    raw = body.get("embedding_port")
-    if raw is None:
-        return None
-    ports = raw if isinstance(raw, list) else [raw]
-    if not ports or len(ports) > MAX_PUSH_URLS:
-        raise fields.error(f"embedding_port must name 1 to {MAX_PUSH_URLS} ports")
-    if host is None:
-        raise fields.error("missing field 'prefill_host' (needed with embedding_port)")
-    urls: list[str] = []
-    for index, port in enumerate(ports):
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise fields.error(
-                f"embedding_port{'' if raw is port else f'[{index}]'} must be a port in "
-                f"[1, 65535], got {port!r}"
-            )
-        url = f"tcp://{_bracketed(host)}:{port}"
-        if url not in urls:
-            urls.append(url)
-    return tuple(urls)
+        return cls(encode, Modality.parse(encode.modality), wire.prefill_host, urls)
 
 
 def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-_SEND_FIELDS: Final = frozenset(
-    {
-        "req_id",
-        "part_idx",
-        "embedding_size",
-        "embedding_len",
-        "embedding_dim",
-        "prefill_host",
-        "embedding_port",
-        "session_id",
-        "buffer_address",
-        "receive_count",
-    }
-)
+class _SendWire(Message, frozen=True):
+    req_id: ReqId
+    session_id: Identifier
+    buffer_address: Positive
+    prefill_host: Identifier
+    embedding_port: Port
+    receive_count: Positive | None = None
+    # The metadata answer echoed back.
+    part_idx: Count | None = None
+    embedding_size: Count | None = None
+    embedding_len: Count | None = None
+    embedding_dim: Count | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SglangSendBody:
+class SglangSendBody(Message, frozen=True):
     """``POST /send`` (Mooncake): the metadata answer, plus the receiver's buffer.
 
     :ivar send: our ``/send`` for the write.
@@ -156,22 +127,18 @@ class SglangSendBody:
 
     @classmethod
     def from_json(cls, body: object) -> Self:
-        """:raises BadRequestError: naming the first invalid field."""
-        fields = Fields(body, _SEND_FIELDS, "/send")
-        req_id = fields.req_id_field()
-        part_idx = fields.integer("part_idx", required=False, minimum=0)
-        for name in ("embedding_size", "embedding_len", "embedding_dim"):
-            fields.integer(name, required=False, minimum=0)
-        receive_count = fields.integer("receive_count", required=False, minimum=1)
-        session_id = fields.identifier("session_id")
-        address = fields.integer("buffer_address", minimum=1, maximum=INT_MAX)
-        host = fields.identifier("prefill_host")
-        port = fields.integer("embedding_port", minimum=1, maximum=65535)
-        assert address is not None
-        assert port is not None
-        endpoint = f"{_bracketed(host)}:{port}"
-        destination = MooncakeDestination(session_id, address, endpoint)
-        return cls(SendBody(req_id, destination, receive_count), part_idx, f"tcp://{endpoint}")
+        """Decode ``body`` (decoded JSON). Not async.
+
+        :raises BadRequestError: naming the first invalid field.
+        """
+        wire = decode_fields(body, _SendWire, "/send")
+        # A registered address is a 64-bit pointer; anything larger no engine can take.
+        if wire.buffer_address > INT_MAX:
+            raise BadRequestError(f"buffer_address must be at most {INT_MAX}", req_id=wire.req_id)
+        endpoint = f"{_bracketed(wire.prefill_host)}:{wire.embedding_port}"
+        destination = MooncakeDestination(wire.session_id, wire.buffer_address, endpoint)
+        send = SendBody(wire.req_id, destination, wire.receive_count)
+        return cls(send, wire.part_idx, f"tcp://{endpoint}")
 
 
 def metadata_answer(

@@ -13,31 +13,19 @@ fields. Every refusal is a :class:`~encdisagg.BadRequestError` naming the field.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Self
+from typing import Annotated, Any, Final, Self
+
+import msgspec
 
 from ..._errors import BadRequestError
 from ..._modality import Modality
-from .._fields import MAX_TEXT_CHARS, split_host_port, type_name
-from .._json import shown
+from ..._strict import Message, convert, pattern, shown
+from .._fields import Text, split_host_port
 
 __all__ = ["ChatBody", "MediaItem"]
 
-_TOP_FIELDS: Final = frozenset(
-    {
-        "model",
-        "stream",
-        "messages",
-        "mm_processor_kwargs",
-        "media_io_kwargs",
-        "priority",
-        "session_id",
-        "max_tokens",
-        "ec_transfer_params",
-    }
-)
 #: Items in one request: vLLM's proxy sends at most its batch size (images) or one.
 MAX_ITEMS: Final = 256
 #: The media item types, their modality, and the field holding their source.
@@ -49,8 +37,81 @@ _MEDIA: Final[Mapping[str, Modality]] = {
 }
 #: ``input_audio`` formats, as OpenAI's API names them.
 _AUDIO_FORMATS: Final = frozenset({"wav", "mp3", "flac", "ogg", "m4a", "webm"})
-#: A uuid names a folder beneath the shared storage: no separators, no dot-only names.
-_UUID: Final = re.compile(r"[A-Za-z0-9_:.+=-]{1,256}")
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+#: A uuid names a folder beneath the shared storage: no separators (and no dot-only name).
+_Uuid = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=pattern(
+            r"^[A-Za-z0-9_:.+=-]{1,256}\Z", "1 to 256 letters, digits or _:.+=- (a file name)"
+        )
+    ),
+]
+
+
+class _Url(Message, frozen=True):
+    url: _NonEmpty
+
+
+class _Audio(Message, frozen=True):
+    data: _NonEmpty
+    format: _NonEmpty
+
+
+class _Part(Message, frozen=True, kw_only=True, tag_field="type"):
+    uuid: _Uuid | None = None
+
+
+class _ImageUrl(_Part, frozen=True, tag="image_url"):
+    image_url: _Url
+
+
+class _VideoUrl(_Part, frozen=True, tag="video_url"):
+    video_url: _Url
+
+
+class _AudioUrl(_Part, frozen=True, tag="audio_url"):
+    audio_url: _Url
+
+
+class _InputAudio(_Part, frozen=True, tag="input_audio"):
+    input_audio: _Audio
+
+
+class _Message(Message, frozen=True):
+    role: _NonEmpty
+    content: list[_ImageUrl | _VideoUrl | _AudioUrl | _InputAudio]
+
+
+class _TransferItem(Message, frozen=True):
+    transfer_id: Text
+
+
+class _TransferParams(Message, frozen=True):
+    consumer_zmq: Text
+    ec_items: list[_TransferItem]
+
+
+class _Chat(Message, frozen=True):
+    model: _NonEmpty
+    messages: Annotated[list[_Message], msgspec.Meta(min_length=1)]
+    stream: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    priority: int | None = None
+    session_id: _NonEmpty | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    ec_transfer_params: _TransferParams | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream:
+            raise ValueError("stream must be false: an encoder answers once; got True")
+        for name in ("mm_processor_kwargs", "media_io_kwargs"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} must be empty: vLLM then derives the item's identifier from them "
+                    "and the PD's model id, which this encoder cannot reproduce"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,149 +145,64 @@ class ChatBody:
 
     @classmethod
     def from_json(cls, body: object) -> Self:
-        """:raises BadRequestError: naming the first invalid field."""
-        top = _object(body, "the body")
-        _known(top, _TOP_FIELDS, "")
-        model = _text(top.get("model"), "model")
-        stream = top.get("stream", False)
-        if stream is not False:
-            raise BadRequestError(
-                f"stream must be false: an encoder answers once; got {shown(repr(stream))}"
-            )
-        for name in ("mm_processor_kwargs", "media_io_kwargs"):
-            value = top.get(name)
-            if value is None:
-                continue
-            if _object(value, name):
-                raise BadRequestError(
-                    f"{name} must be empty: vLLM then derives the item's identifier from them "
-                    "and the PD's model id, which this encoder cannot reproduce"
-                )
-        _optional_int(top, "priority")
-        _optional_int(top, "max_tokens", minimum=0)
-        if top.get("session_id") is not None:
-            _text(top["session_id"], "session_id")
-        items = _items(top.get("messages"))
-        consumer, transfer_ids = _transfer(top.get("ec_transfer_params"), len(items))
-        return cls(model, items, consumer, transfer_ids)
+        """Decode ``body`` (decoded JSON). Not async.
+
+        :raises BadRequestError: naming the first invalid field.
+        """
+        chat = convert(body, _Chat, "the body", BadRequestError)
+        items = _items(chat.messages)
+        consumer, transfer_ids = _transfer(chat.ec_transfer_params, len(items))
+        return cls(chat.model, items, consumer, transfer_ids)
 
 
-def _object(value: object, name: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise BadRequestError(f"{name} must be a JSON object, got {type_name(value)}")
-    return value
-
-
-def _known(value: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
-    unknown = sorted(str(key) for key in value if key not in allowed)
-    if unknown:
-        place = f" in {where}" if where else ""
-        raise BadRequestError(f"unknown field {shown(unknown[0])}{place}")
-
-
-def _text(value: object, name: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise BadRequestError(f"{name} must be a non-empty string, got {type_name(value)}")
-    return value
-
-
-def _optional_int(top: Mapping[str, Any], name: str, *, minimum: int | None = None) -> None:
-    value = top.get(name)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequestError(f"{name} must be an integer, got {type_name(value)}")
-    if minimum is not None and value < minimum:
-        raise BadRequestError(f"{name} must be at least {minimum}; got {value}")
-
-
-def _items(messages: object) -> tuple[MediaItem, ...]:
-    if not isinstance(messages, list) or not messages:
-        shown_type = "an empty list" if messages == [] else type_name(messages)
-        raise BadRequestError(f"messages must be a non-empty list, got {shown_type}")
+def _items(messages: list[_Message]) -> tuple[MediaItem, ...]:
     items: list[MediaItem] = []
     for m, message in enumerate(messages):
-        where = f"messages[{m}]"
-        fields = _object(message, where)
-        _known(fields, frozenset({"role", "content"}), where)
-        _text(fields.get("role"), f"{where}.role")
-        content = fields.get("content")
-        if not isinstance(content, list):
-            raise BadRequestError(
-                f"{where}.content must be a list of media items, got {type_name(content)} "
-                "(text is not encoded here)"
-            )
-        for c, part in enumerate(content):
+        for c, part in enumerate(message.content):
             if len(items) == MAX_ITEMS:
                 raise BadRequestError(f"messages: more than {MAX_ITEMS} media items")
-            items.append(_item(part, f"{where}.content[{c}]", len(items)))
+            items.append(_item(part, f"messages[{m}].content[{c}]", len(items)))
     if not items:
         raise BadRequestError("messages hold no media item to encode")
     return tuple(items)
 
 
-def _item(part: object, where: str, index: int) -> MediaItem:
-    fields = _object(part, where)
-    kind = fields.get("type")
-    if not isinstance(kind, str):
-        raise BadRequestError(f"{where}.type must be a string, got {type_name(kind)}")
-    modality = _MEDIA.get(kind)
-    if modality is None:
-        raise BadRequestError(
-            f"{where}.type {shown(kind)} is not encoded here: an encoder takes only "
-            f"{', '.join(_MEDIA)} items"
-        )
-    _known(fields, frozenset({"type", kind, "uuid"}), where)
-    uuid = fields.get("uuid")
-    if uuid is None:
+def _item(part: _Part, where: str, index: int) -> MediaItem:
+    kind = part.__struct_config__.tag
+    assert isinstance(kind, str)
+    if part.uuid is None:
         raise BadRequestError(
             f"{where}.uuid is missing: the PD identifies the item by its uuid; without one "
             "it hashes the media bytes itself, which this encoder does not reproduce"
         )
-    if not isinstance(uuid, str) or _UUID.fullmatch(uuid) is None or set(uuid) == {"."}:
-        raise BadRequestError(
-            f"{where}.uuid must be 1 to 256 letters, digits or _:.+=- (a file name), "
-            f"got {shown(str(uuid))}"
-        )
-    media = _object(fields.get(kind), f"{where}.{kind}")
-    if kind == "input_audio":
-        _known(media, frozenset({"data", "format"}), f"{where}.{kind}")
-        data = _text(media.get("data"), f"{where}.{kind}.data")
-        audio_format = _text(media.get("format"), f"{where}.{kind}.format").lower()
+    if set(part.uuid) == {"."}:
+        raise BadRequestError(f"{where}.uuid must be a file name, not {shown(part.uuid)}")
+    if isinstance(part, _InputAudio):
+        audio_format = part.input_audio.format.lower()
         if audio_format not in _AUDIO_FORMATS:
             raise BadRequestError(
                 f"{where}.{kind}.format must be one of {', '.join(sorted(_AUDIO_FORMATS))}; "
                 f"got {shown(audio_format)}"
             )
-        source = f"data:audio/{audio_format};base64,{data}"
+        source = f"data:audio/{audio_format};base64,{part.input_audio.data}"
     else:
-        _known(media, frozenset({"url"}), f"{where}.{kind}")
-        source = _text(media.get("url"), f"{where}.{kind}.url")
-    return MediaItem(uuid, modality, source, index)
+        source = getattr(part, kind).url
+    return MediaItem(part.uuid, _MEDIA[kind], source, index)
 
 
-def _transfer(params: object, count: int) -> tuple[str | None, tuple[str, ...] | None]:
+def _transfer(
+    params: _TransferParams | None, count: int
+) -> tuple[str | None, tuple[str, ...] | None]:
     if params is None:
         return None, None
-    fields = _object(params, "ec_transfer_params")
-    _known(fields, frozenset({"consumer_zmq", "ec_items"}), "ec_transfer_params")
-    address = _text(fields.get("consumer_zmq"), "ec_transfer_params.consumer_zmq")
-    if len(address) > MAX_TEXT_CHARS or split_host_port(address.removeprefix("tcp://")) is None:
+    address = params.consumer_zmq.removeprefix("tcp://")
+    if split_host_port(address) is None:
         raise BadRequestError(
-            f"ec_transfer_params.consumer_zmq must be tcp://host:port; got {shown(address)}"
+            f"ec_transfer_params.consumer_zmq must be tcp://host:port; "
+            f"got {shown(params.consumer_zmq)}"
         )
-    entries = fields.get("ec_items")
-    if not isinstance(entries, list) or len(entries) != count:
+    if len(params.ec_items) != count:
         raise BadRequestError(
             f"ec_transfer_params.ec_items must list one entry per media item ({count})"
         )
-    ids: list[str] = []
-    for index, entry in enumerate(entries):
-        where = f"ec_transfer_params.ec_items[{index}]"
-        entry_fields = _object(entry, where)
-        _known(entry_fields, frozenset({"transfer_id"}), where)
-        transfer_id = _text(entry_fields.get("transfer_id"), f"{where}.transfer_id")
-        if len(transfer_id) > MAX_TEXT_CHARS:
-            raise BadRequestError(f"{where}.transfer_id is longer than {MAX_TEXT_CHARS}")
-        ids.append(transfer_id)
-    return "tcp://" + address.removeprefix("tcp://"), tuple(ids)
+    return "tcp://" + address, tuple(item.transfer_id for item in params.ec_items)
