@@ -152,7 +152,8 @@ class _InternalSendWire(_SendWire, frozen=True):
     """What the data-parallel front sends a worker: ``/send``'s fields, and the header frame
     of a ZMQ push in SGLang's format, which ``POST /send`` refuses as an unknown field."""
 
-    sglang_header: bytes | None = None
+    # Any, checked by hand: msgspec would take a string for bytes, as base64.
+    sglang_header: Any = None
 
 
 class SendBody(Message, frozen=True):
@@ -179,6 +180,10 @@ class SendBody(Message, frozen=True):
         wire = decode_fields(body, _InternalSendWire if internal else _SendWire, "/send")
         destination = _destination(wire)
         header = getattr(wire, "sglang_header", None)
+        if header is not None and not isinstance(header, bytes):
+            raise BadRequestError(
+                f"sglang_header must be bytes, got {type(header).__name__}", req_id=wire.req_id
+            )
         if header is not None and isinstance(destination, ZmqDestination):
             destination = SglangZmqDestination(destination.url, header)
         return cls(wire.req_id, destination, wire.receive_count)

@@ -131,7 +131,10 @@ class _Ipc(_strict.Message, frozen=True, omit_defaults=True):
 
     def to_wire(self) -> dict[str, Any]:
         """The message as a map for :func:`pack`."""
-        wire: dict[str, Any] = msgspec.to_builtins(self, enc_hook=_error_to_builtins)
+        # Bytes stay bytes (msgpack has a type for them; to_builtins would write base64).
+        wire: dict[str, Any] = msgspec.to_builtins(
+            self, builtin_types=(bytes,), enc_hook=_error_to_builtins
+        )
         return wire
 
     @classmethod
