@@ -26,7 +26,7 @@ from ._memory_registration import (
     MemoryRegistration as MemoryRegistration,
     MemoryRegistrationState as MemoryRegistrationState,
 )
-from ._mooncake import MooncakeEngine as MooncakeEngine
+from ._mooncake._engine import MooncakeEngine as MooncakeEngine
 from ._wire import (
     MAX_HEADER_BYTES as MAX_HEADER_BYTES,
     WIRE_VERSION as WIRE_VERSION,
@@ -39,8 +39,8 @@ from ._wire import (
     tensor_from_frame as tensor_from_frame,
     torch_dtype as torch_dtype,
 )
-from ._zmq import ZmqPushPool as ZmqPushPool
-from ._zmq_pull import ReceivedPart as ReceivedPart, ZmqReceiver as ZmqReceiver
+from ._zmq._push import ZmqPushPool as ZmqPushPool
+from ._zmq._pull import ReceivedPart as ReceivedPart, ZmqReceiver as ZmqReceiver
 
 __all__ = (
     "EngineOptions",

@@ -26,9 +26,9 @@ import anyio
 import anyio.to_thread
 import zmq
 
-from .._errors import TransferError
-from ..nurseries import ThreadSafeEvent
-from ._holds import Hold
+from ..._errors import TransferError
+from ...nurseries import ThreadSafeEvent
+from .._holds import Hold
 
 __all__ = ["SignalledTracker", "send_signalled", "wait_released"]
 

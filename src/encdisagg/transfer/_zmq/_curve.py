@@ -20,7 +20,7 @@ from typing import Any, Final
 import zmq
 import zmq.utils.z85
 
-from .._errors import BadRequestError
+from ..._errors import BadRequestError
 
 __all__ = [
     "CurveClient",

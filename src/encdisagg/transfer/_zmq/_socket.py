@@ -18,7 +18,7 @@ import anyio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .._errors import TransferError
+from ..._errors import TransferError
 
 __all__ = ["Connection", "wait_events", "wait_room", "watch_refusals"]
 

@@ -24,7 +24,7 @@ import socket
 import struct
 from typing import Final
 
-from .._errors import TransferError
+from ..._errors import TransferError
 
 __all__ = ["keep_listeners_to_host", "socket_inodes"]
 

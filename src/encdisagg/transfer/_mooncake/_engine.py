@@ -14,11 +14,11 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from .._errors import TransferError, TransferTimeoutError
-from ..nurseries import run_thread_to_completion
-from ._lifetime import EngineLifetime
-from ._mooncake_listen import keep_listeners_to_host, socket_inodes
-from ._mooncake_waiter import (
+from ..._errors import TransferError, TransferTimeoutError
+from ...nurseries import run_thread_to_completion
+from .._lifetime import EngineLifetime
+from ._listen import keep_listeners_to_host, socket_inodes
+from ._waiter import (
     DONE,
     FAILED,
     STILL_RUNNING,
@@ -28,7 +28,7 @@ from ._mooncake_waiter import (
     poll_on_loop,
 )
 from ._native_logs import native_lines_to_logging, quiet_mooncake_by_default
-from ._regions import RegionTable, check_range
+from .._regions import RegionTable, check_range
 
 __all__ = ["MooncakeEngine"]
 

@@ -1,7 +1,7 @@
 """Embedding push and pull over ZMQ, native to AnyIO (asyncio and Trio alike).
 
 ``zmq.asyncio`` only works on asyncio, so the sockets here are plain non-blocking ZMQ
-sockets whose ``ZMQ_FD`` is awaited with :func:`anyio.wait_readable` (``_zmq_socket``).
+sockets whose ``ZMQ_FD`` is awaited with :func:`anyio.wait_readable` (``_socket``).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import anyio.abc
 import anyio.lowlevel
 import zmq
 
-from .._errors import TransferError
-from ..nurseries import ThreadSafeEvent, collapse_single_error, run_thread_to_completion
-from ._holds import Hold
-from ._wire import EmbeddingHeader, check_payload, encode_header
-from ._zmq_curve import CurveClient
-from ._zmq_release import send_signalled, wait_released
-from ._zmq_socket import Connection, wait_room, watch_refusals
+from ..._errors import TransferError
+from ...nurseries import ThreadSafeEvent, collapse_single_error, run_thread_to_completion
+from .._holds import Hold
+from .._wire import EmbeddingHeader, check_payload, encode_header
+from ._curve import CurveClient
+from ._release import send_signalled, wait_released
+from ._socket import Connection, wait_room, watch_refusals
 
 __all__ = ["ForeignHeader", "ZmqPushPool"]
 
@@ -186,7 +186,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
 
         The wait for a zero-copy payload's release does not poll: the payload view's finalizer
         wakes it when ZMQ lets go (one worker thread waits on ZMQ's tracker only for a release
-        still pending after a second; ``_zmq_release``). If ZMQ still holds the payload when the
+        still pending after a second; ``_release``). If ZMQ still holds the payload when the
         call gives up (``send_timeout_s`` ran out, the caller was cancelled, or the pool
         closed), the endpoint's socket is closed with linger 0 and evicted: ZMQ drops everything
         queued on it, including other sends' messages, which then fail too (a send whose
