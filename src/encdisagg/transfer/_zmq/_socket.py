@@ -38,13 +38,12 @@ async def wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
 
 async def wait_room(connection: Connection) -> None:
     """Return once the socket takes a message; checkpoints only if it waits."""
-    sock, fd = connection.socket, connection.fd
-    while not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
-        connection.parked = True
-        try:
-            await anyio.wait_readable(fd)
-        finally:
-            connection.parked = False
+    # Marked for the whole wait: nothing else runs between its checks and its awaits.
+    connection.parked = True
+    try:
+        await wait_events(connection.socket, connection.fd, zmq.POLLOUT)
+    finally:
+        connection.parked = False
 
 
 @dataclasses.dataclass(eq=False)
