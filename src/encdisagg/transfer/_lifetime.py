@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Protocol, final, runtime_checkable
+
+import anyio
+import anyio.to_thread
 
 from ._holds import Hold
 
-__all__ = ["EngineLifetime", "KeepsMemory", "leave_with_engine"]
+__all__ = ["EngineLifetime", "KeepsMemory", "close_in_thread", "leave_with_engine"]
 
 _log = logging.getLogger("encdisagg.transfer")
 
@@ -151,3 +155,13 @@ def leave_with_engine(
         engine,
     )
     _FOR_GOOD.keep(keepalive)
+
+
+async def close_in_thread(close: Callable[[], object], timeout_s: float) -> bool:
+    """Call ``close`` in a worker thread, shielded, for at most ``timeout_s``: whether it
+    returned in time. Past the bound the thread is left running: only for a close that
+    frees nothing a transfer may still touch before it ends. A checkpoint."""
+    with anyio.move_on_after(timeout_s, shield=True):
+        await anyio.to_thread.run_sync(close, abandon_on_cancel=True)
+        return True
+    return False

@@ -12,11 +12,10 @@ from typing import Final, Protocol, cast, final
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 
 from ..._errors import TransferError, TransferTimeoutError
 from ...nurseries import run_thread_to_completion
-from .._lifetime import EngineLifetime
+from .._lifetime import EngineLifetime, close_in_thread
 from .._regions import RegionTable, check_range
 from ._listen import keep_listeners_to_host, socket_inodes
 from ._native_logs import native_lines_to_logging, quiet_mooncake_by_default
@@ -401,11 +400,9 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
             await run_thread_to_completion(self._start)
             yield self
         finally:
-            with anyio.move_on_after(self._close_timeout_s, shield=True) as scope:
-                # Abandoning on the deadline is what bounds the exit: a hung Mooncake call
-                # must not hang shutdown. The engine is already detached at that point.
-                await anyio.to_thread.run_sync(self._stop, abandon_on_cancel=True)
-            if scope.cancelled_caught:
+            # Abandoning on the deadline is what bounds the exit: a hung Mooncake call
+            # must not hang shutdown. The engine is already detached at that point.
+            if not await close_in_thread(self._stop, self._close_timeout_s):
                 logger.error(
                     "MooncakeEngine %s: closing did not finish within %s s",
                     self._session_id,

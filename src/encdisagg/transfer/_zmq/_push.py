@@ -439,7 +439,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             on_still_held=on_still_held,
             held_bytes=held_bytes,
         )
-        if connection.lost(tracker):
+        if tracker in connection.dropped:
             raise TransferError(
                 f"{what} failed: the connection was reset while the message was queued "
                 "(another send to this endpoint failed)"

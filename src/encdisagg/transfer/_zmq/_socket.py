@@ -130,10 +130,6 @@ class Connection:
                 f"{self.gave_up_after_s} s (nothing listens there)"
             )
 
-    def lost(self, tracker: zmq.MessageTracker) -> bool:
-        """Whether closing the socket dropped the message ``tracker`` tracks."""
-        return tracker in self.dropped
-
     @property
     def idle(self) -> bool:
         """No send uses the socket and nothing was queued on it since the last sweep."""
