@@ -304,7 +304,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> EmbeddingHeader:
         # Checked before the rest: a newer version may legitimately differ in any field.
         raise _bad("v", f"{WIRE_VERSION} (the only wire version)", fields["v"])
     for key in _OPTIONAL:
-        # Optional fields (the error fields of a data part, ...) may be absent or nil.
+        # An optional field (a data part's error and status, say) may be absent or nil.
         if key in fields and fields[key] is None:
             del fields[key]
     if "layout" in fields:
