@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final, cast, final
 
 import anyio
@@ -380,9 +381,25 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         if not released_at_once:
             connection.held.add(tracker)
         try:
-            await self._wait_released(
-                connection, tracker, what, on_still_held, 0 if payload is None else payload.nbytes
+            # A send that gives up (timed out, cancelled, aborted) while ZMQ holds the payload
+            # drops the connection: ZMQ cannot unqueue one message, but closing the socket
+            # with linger 0 drops its queue, after which ZMQ lets go of the buffer.
+            await wait_released(
+                tracker,
+                what,
+                drop=lambda: self._evict(connection),
+                drop_bound_s=self._release_timeout_s,
+                # Past any deadline of the send: the send gives up (and evicts) before it.
+                thread_bound_s=self._send_timeout_s + self._release_timeout_s + 1.0,
+                limiter=self._release_waiters,
+                on_still_held=on_still_held,
+                held_bytes=0 if payload is None else payload.nbytes,
             )
+            if tracker in connection.dropped:
+                raise TransferError(
+                    f"{what} failed: the connection was reset while the message was queued "
+                    "(another send to this endpoint failed)"
+                )
         finally:
             connection.held.discard(tracker)
             self._done_with(connection)
@@ -417,34 +434,6 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             self._evict(connection)
             raise TransferError(f"{what} failed after its header frame: {exc}") from exc
 
-    async def _wait_released(
-        self,
-        connection: Connection,
-        tracker: zmq.MessageTracker,
-        what: str,
-        on_still_held: Callable[[Hold], None] | None,
-        held_bytes: int = 0,
-    ) -> None:
-        # A send that gives up (timed out, cancelled, aborted) while ZMQ holds the payload
-        # drops the connection: ZMQ cannot unqueue one message, but closing the socket with
-        # linger 0 drops its queue, after which ZMQ lets go of the buffer.
-        await wait_released(
-            tracker,
-            what,
-            drop=lambda: self._evict(connection),
-            drop_bound_s=self._release_timeout_s,
-            # Past any deadline of the send: the send gives up (and evicts) before it.
-            thread_bound_s=self._send_timeout_s + self._release_timeout_s + 1.0,
-            limiter=self._release_waiters,
-            on_still_held=on_still_held,
-            held_bytes=held_bytes,
-        )
-        if tracker in connection.dropped:
-            raise TransferError(
-                f"{what} failed: the connection was reset while the message was queued "
-                "(another send to this endpoint failed)"
-            )
-
     def _connect(self, url: str, what: str) -> Connection:
         connection = self._connections.get(url)
         if connection is not None:
@@ -458,27 +447,12 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             self._make_room()
         if self._context is None:
             self._context = zmq.Context()
-        sock = self._context.socket(zmq.PUSH)
-        try:
-            if self._curve is not None and server_key is not None:
-                self._curve.secure(sock, server_key)
-            # Linger 0: a message still queued at close is dropped, never waited for. By
-            # then its send has either seen the payload handed over or is failing anyway.
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self._sndhwm)
-            # Queue only on a completed connection: a send to an endpoint nobody listens
-            # at waits for room and times out, instead of a copied message "succeeding"
-            # into a queue that never drains.
-            sock.setsockopt(zmq.IMMEDIATE, 1 if self._immediate else 0)
-            # Track every frame sent with copy=False, however small: which ones are copied
-            # is decided by copy_below_bytes alone.
-            sock.copy_threshold = 0
-            sock.connect(url)
-            fd = cast(int, sock.getsockopt(zmq.FD))
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise TransferError(f"{what}: cannot connect: {exc}") from exc
-        connection = Connection(url, sock, fd)
+        secure = None
+        if self._curve is not None and server_key is not None:
+            secure = partial(self._curve.secure, server_key=server_key)
+        connection = Connection.open(
+            self._context, url, what, sndhwm=self._sndhwm, immediate=self._immediate, secure=secure
+        )
         self._connections[url] = connection
         if self._watchers is not None:
             connection.watch()
