@@ -18,10 +18,12 @@ __all__ = [
     "WIRE_VERSION",
     "MAX_HEADER_BYTES",
     "EmbeddingHeader",
+    "ForeignHeader",
     "encode_header",
     "decode_header",
     "payload_nbytes",
     "check_payload",
+    "header_frame",
     "payload_view",
     "tensor_from_frame",
     "dtype_name",
@@ -224,6 +226,16 @@ class EmbeddingHeader:
         return self.error is not None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForeignHeader:
+    """A header frame written for another receiver (SGLang's pickled ``EmbeddingData``),
+    pushed as is in place of ours; ``req_id`` and ``part_idx`` name the message in errors."""
+
+    req_id: str
+    part_idx: int
+    frame: bytes
+
+
 _FIELDS: Final = frozenset(f.name for f in dataclasses.fields(EmbeddingHeader))
 _REQUIRED: Final = frozenset(
     f.name
@@ -397,3 +409,12 @@ def check_payload(header: EmbeddingHeader, payload: memoryview | None) -> None:
             f"{header.dtype} needs {payload_nbytes(header)}",
             req_id=header.req_id,
         )
+
+
+def header_frame(header: EmbeddingHeader | ForeignHeader, payload: memoryview | None) -> bytes:
+    """Frame 0 of a push of ``payload``: ours, checked against ``payload`` (as
+    :func:`check_payload`), or a foreign one as given. Not async."""
+    if isinstance(header, ForeignHeader):
+        return header.frame
+    check_payload(header, payload)
+    return encode_header(header)

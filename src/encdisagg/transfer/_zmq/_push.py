@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, Final, cast, final
 
 import anyio
@@ -20,12 +18,12 @@ import zmq
 from ..._errors import TransferError
 from ...nurseries import ThreadSafeEvent, collapse_single_error, run_thread_to_completion
 from .._holds import Hold
-from .._wire import EmbeddingHeader, check_payload, encode_header
+from .._wire import EmbeddingHeader, ForeignHeader, header_frame
 from ._curve import CurveClient
 from ._release import send_signalled, wait_released
 from ._socket import Connection, wait_room, watch_refusals
 
-__all__ = ["ForeignHeader", "ZmqPushPool"]
+__all__ = ["ZmqPushPool"]
 
 # Below this size a payload is copied into ZMQ's own message rather than tracked. Measured on
 # loopback: a tracked send costs ~0.25 ms whatever its size (ZMQ's release passes through
@@ -45,16 +43,6 @@ DEFAULT_IDLE_TIMEOUT_S: Final = 60.0
 DEFAULT_MAX_ENDPOINTS: Final = 128
 #: How long a send waits on an endpoint that refuses every connection attempt.
 DEFAULT_REFUSED_GRACE_S: Final = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class ForeignHeader:
-    """A header frame written for another receiver (SGLang's pickled ``EmbeddingData``),
-    pushed as is in place of ours; ``req_id`` and ``part_idx`` name the message in errors."""
-
-    req_id: str
-    part_idx: int
-    frame: bytes
 
 
 @final
@@ -211,7 +199,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         :raises TransferError: on timeout, on a ZMQ error, if the connection was reset
             while the message was queued, or if the pool is (or gets) closed.
         """
-        head = _head(header, payload)
+        head = header_frame(header, payload)
         what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
         if self._closed:
             raise TransferError(f"{what}: the push pool is closed", req_id=header.req_id)
@@ -261,7 +249,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             or not cast(int, connection.socket.getsockopt(zmq.EVENTS)) & zmq.POLLOUT
         ):
             return False
-        head = _head(header, payload)
+        head = header_frame(header, payload)
         what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
         connection.used = True
         try:
@@ -447,12 +435,27 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             self._make_room()
         if self._context is None:
             self._context = zmq.Context()
-        secure = None
-        if self._curve is not None and server_key is not None:
-            secure = partial(self._curve.secure, server_key=server_key)
-        connection = Connection.open(
-            self._context, url, what, sndhwm=self._sndhwm, immediate=self._immediate, secure=secure
-        )
+        sock = self._context.socket(zmq.PUSH)
+        try:
+            if self._curve is not None and server_key is not None:
+                self._curve.secure(sock, server_key)
+            # Linger 0: a message still queued at close is dropped, never waited for. By
+            # then its send has either seen the payload handed over or is failing anyway.
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+            # Queue only on a completed connection: a send to an endpoint nobody listens
+            # at waits for room and times out, instead of a copied message "succeeding"
+            # into a queue that never drains.
+            sock.setsockopt(zmq.IMMEDIATE, 1 if self._immediate else 0)
+            # Track every frame sent with copy=False, however small: which ones are copied
+            # is decided by copy_below_bytes alone.
+            sock.copy_threshold = 0
+            sock.connect(url)
+            fd = cast(int, sock.getsockopt(zmq.FD))
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise TransferError(f"{what}: cannot connect: {exc}") from exc
+        connection = Connection(url, sock, fd)
         self._connections[url] = connection
         if self._watchers is not None:
             connection.watch()
@@ -487,10 +490,3 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         if self._connections.get(connection.url) is connection:
             del self._connections[connection.url]
         connection.break_off()
-
-
-def _head(header: EmbeddingHeader | ForeignHeader, payload: memoryview | None) -> bytes:
-    if isinstance(header, ForeignHeader):
-        return header.frame
-    check_payload(header, payload)
-    return encode_header(header)

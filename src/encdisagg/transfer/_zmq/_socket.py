@@ -89,44 +89,6 @@ class Connection:
     # the sends that waited on the socket then fail instead of connecting afresh.
     gave_up_after_s: float | None = None
 
-    @classmethod
-    def open(
-        cls,
-        context: zmq.Context[Any],
-        url: str,
-        what: str,
-        *,
-        sndhwm: int,
-        immediate: bool,
-        secure: Callable[[zmq.Socket[Any]], None] | None = None,
-    ) -> Connection:
-        """A PUSH socket connected to ``url`` (``secure`` makes it a CURVE client first).
-        Not a checkpoint.
-
-        :raises TransferError: naming ``what``, if ZMQ refused to connect it.
-        """
-        sock = context.socket(zmq.PUSH)
-        try:
-            if secure is not None:
-                secure(sock)
-            # Linger 0: a message still queued at close is dropped, never waited for. By
-            # then its send has either seen the payload handed over or is failing anyway.
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, sndhwm)
-            # Queue only on a completed connection: a send to an endpoint nobody listens
-            # at waits for room and times out, instead of a copied message "succeeding"
-            # into a queue that never drains.
-            sock.setsockopt(zmq.IMMEDIATE, 1 if immediate else 0)
-            # Track every frame sent with copy=False, however small: which ones are copied
-            # is decided by the pool's copy_below_bytes alone.
-            sock.copy_threshold = 0
-            sock.connect(url)
-            fd = cast(int, sock.getsockopt(zmq.FD))
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise TransferError(f"{what}: cannot connect: {exc}") from exc
-        return cls(url, sock, fd)
-
     def watch(self) -> None:
         """Start the socket's monitor (for :func:`watch_refusals`). Not a checkpoint."""
         self.monitor = self.socket.get_monitor_socket(_MONITORED)
