@@ -158,7 +158,7 @@ class ZmqRawSender:
         import zmq
 
         from encdisagg.nurseries import ThreadSafeEvent
-        from encdisagg.transfer._zmq_release import send_signalled
+        from encdisagg.transfer._zmq._release import send_signalled
 
         header = self._header(size)
         push = self._async_push

@@ -32,8 +32,6 @@ KNOWN_FOLDER_CIRCLES: frozenset[tuple[str, ...]] = frozenset()
 KNOWN_CROWDS: dict[str, int] = {
     # The Encoder, its batching, delivery and lifecycle.
     "encoder": 23,
-    # Mooncake, ZMQ and SGLang's frames.
-    "transfer": 21,
 }
 
 

@@ -287,7 +287,7 @@ class EncoderConfig:
 
         :raises ConfigError: a malformed CURVE key, naming its field.
         """
-        from .transfer._zmq_curve import curve_key, parse_server_keys
+        from .transfer._zmq._curve import curve_key, parse_server_keys
 
         server_key = self.zmq_curve_server_key
         return {

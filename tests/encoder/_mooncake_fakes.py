@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from encdisagg.transfer import _mooncake
+from encdisagg.transfer._mooncake import _engine as _mooncake
 
 DONE, FAILED, TIMED_OUT, RUNNING = 1, -1, -2, 0
 

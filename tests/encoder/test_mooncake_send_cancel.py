@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from encdisagg import Encoder, EncodeRequest, Modality, MooncakeDestination
-from encdisagg.transfer import MooncakeEngine, _mooncake_waiter
+from encdisagg.transfer import MooncakeEngine
+from encdisagg.transfer._mooncake import _waiter as _mooncake_waiter
 
 from .fakes import ScriptedModel
 

@@ -46,7 +46,7 @@ from encdisagg.transfer import (
     encode_header,
     payload_view,
 )
-from encdisagg.transfer._mooncake_listen import keep_listeners_to_host, socket_inodes
+from encdisagg.transfer._mooncake._listen import keep_listeners_to_host, socket_inodes
 
 pytestmark = pytest.mark.anyio
 

@@ -24,7 +24,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from encdisagg import TransferError
 from encdisagg.nurseries import run_thread_to_completion
-from encdisagg.transfer import MooncakeEngine, _mooncake
+from encdisagg.transfer import MooncakeEngine
+from encdisagg.transfer._mooncake import _engine as _mooncake
 
 pytestmark = [pytest.mark.anyio, pytest.mark.mooncake]
 

@@ -20,7 +20,8 @@ import torch
 
 from encdisagg import TransferError, TransferTimeoutError
 from encdisagg.nurseries import ThreadSafeEvent, run_thread_to_completion
-from encdisagg.transfer import Hold, MooncakeEngine, _mooncake, _mooncake_waiter
+from encdisagg.transfer import Hold, MooncakeEngine
+from encdisagg.transfer._mooncake import _engine as _mooncake, _waiter as _mooncake_waiter
 
 pytestmark = [pytest.mark.anyio, pytest.mark.mooncake]
 

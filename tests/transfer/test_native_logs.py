@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from encdisagg.transfer._native_logs import (
+from encdisagg.transfer._mooncake._native_logs import (
     NATIVE_LOGGER,
     native_lines_to_logging,
     quiet_mooncake_by_default,

@@ -277,7 +277,7 @@ def thread_calls(
 
 
 def _release_waits(calls: list[Callable[..., Any]]) -> int:
-    return sum(call.__module__ == "encdisagg.transfer._zmq_release" for call in calls)
+    return sum(call.__module__ == "encdisagg.transfer._zmq._release" for call in calls)
 
 
 async def _send_before_anyone_listens(tracking: TrackingContext) -> None:
@@ -322,7 +322,7 @@ async def test_a_send_still_held_after_the_grace_waits_for_the_release_in_one_th
 ) -> None:
     # A grace of 0: the finalizer's wake-up is not waited for, as for a receiver that is slow
     # for longer than the grace. One worker thread then waits on the tracker.
-    monkeypatch.setattr("encdisagg.transfer._zmq_release._SIGNAL_GRACE_S", 0)
+    monkeypatch.setattr("encdisagg.transfer._zmq._release._SIGNAL_GRACE_S", 0)
     await _send_before_anyone_listens(tracking)
     assert _release_waits(thread_calls) == 1
 

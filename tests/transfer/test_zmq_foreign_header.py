@@ -9,7 +9,7 @@ import zmq
 
 from encdisagg import TransferError
 from encdisagg.transfer import ZmqPushPool
-from encdisagg.transfer._zmq import ForeignHeader
+from encdisagg.transfer._wire import ForeignHeader
 
 pytestmark = pytest.mark.anyio
 

@@ -19,7 +19,7 @@ import zmq
 
 from encdisagg import TransferError
 from encdisagg.transfer import Hold
-from encdisagg.transfer._zmq_release import wait_released
+from encdisagg.transfer._zmq._release import wait_released
 
 pytestmark = pytest.mark.anyio
 

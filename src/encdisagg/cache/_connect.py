@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 import anyio
-import anyio.to_thread
 
 from ..nurseries import run_thread_to_completion
+from ..transfer._lifetime import close_in_thread
 
 if TYPE_CHECKING:
     from ._store import EmbeddingStore
@@ -109,13 +109,11 @@ class StoreConnection:
         store, self.store = self.store, None
         if store is None:
             return
-        with anyio.move_on_after(self._close_timeout_s, shield=True) as scope:
-            # Abandoning this one call on timeout is safe: the client holds no encoder memory
-            # (no registration, no pointer), so a close that outlives the bound only keeps
-            # its own resources a little longer. Against a dead master it can take many
-            # seconds, and shutdown should not wait for that.
-            await anyio.to_thread.run_sync(store.close, abandon_on_cancel=True)
-        if scope.cancelled_caught:
+        # Abandoning this one call on timeout is safe: the client holds no encoder memory
+        # (no registration, no pointer), so a close that outlives the bound only keeps
+        # its own resources a little longer. Against a dead master it can take many
+        # seconds, and shutdown should not wait for that.
+        if not await close_in_thread(store.close, self._close_timeout_s):
             logger.warning(
                 "closing the global cache's store client took over %s s; left it closing",
                 self._close_timeout_s,

@@ -33,7 +33,7 @@ from ..transfer import (
     ZmqPushPool,
     payload_view,
 )
-from ..transfer._zmq import ForeignHeader
+from ..transfer._wire import ForeignHeader
 from ._jobs import Job
 from ._regions import RegionOwner
 from ._staged import Staged

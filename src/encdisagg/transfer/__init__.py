@@ -15,18 +15,18 @@
 
 from ._engine import EngineOptions as EngineOptions, TransferEngine as TransferEngine
 from ._holds import HeldLedger as HeldLedger, Hold as Hold, HoldPolicy as HoldPolicy
-from ._keeper import KeepsMemory as KeepsMemory, leave_with_engine as leave_with_engine
 from ._layout import (
     MAIN_SECTION as MAIN_SECTION,
     EmbeddingLayout as EmbeddingLayout,
     deepstack_layout as deepstack_layout,
 )
+from ._lifetime import KeepsMemory as KeepsMemory, leave_with_engine as leave_with_engine
 from ._loopback import LoopbackEngine as LoopbackEngine, LoopbackFabric as LoopbackFabric
 from ._memory_registration import (
     MemoryRegistration as MemoryRegistration,
     MemoryRegistrationState as MemoryRegistrationState,
 )
-from ._mooncake import MooncakeEngine as MooncakeEngine
+from ._mooncake._engine import MooncakeEngine as MooncakeEngine
 from ._wire import (
     MAX_HEADER_BYTES as MAX_HEADER_BYTES,
     WIRE_VERSION as WIRE_VERSION,
@@ -39,8 +39,8 @@ from ._wire import (
     tensor_from_frame as tensor_from_frame,
     torch_dtype as torch_dtype,
 )
-from ._zmq import ZmqPushPool as ZmqPushPool
-from ._zmq_pull import ReceivedPart as ReceivedPart, ZmqReceiver as ZmqReceiver
+from ._zmq._pull import ReceivedPart as ReceivedPart, ZmqReceiver as ZmqReceiver
+from ._zmq._push import ZmqPushPool as ZmqPushPool
 
 __all__ = (
     "EngineOptions",

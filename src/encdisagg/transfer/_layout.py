@@ -27,10 +27,21 @@ MAX_SECTIONS: Final = 64
 _NAME: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
-def _bad(requirement: str, value: object) -> BadRequestError:
+def bad_field(field: str, requirement: str, value: object) -> BadRequestError:
+    """The error for an embedding header ``field`` whose ``value`` is not ``requirement``."""
+    return BadRequestError(
+        f"embedding header field {field!r} must be {requirement}; got {short_repr(value)}"
+    )
+
+
+def short_repr(value: object) -> str:
+    """``repr(value)``, cut to 80 characters."""
     text = repr(value)
-    shown = text if len(text) <= 80 else text[:77] + "..."
-    return BadRequestError(f"embedding header field 'layout' must be {requirement}; got {shown}")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bad(requirement: str, value: object) -> BadRequestError:
+    return bad_field("layout", requirement, value)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import enum
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, final
 
 import anyio
@@ -30,7 +31,7 @@ from .._errors import InternalError, TransferError
 from ..nurseries import ThreadSafeEvent, run_thread_to_completion
 from ._engine import EngineOptions
 from ._holds import Hold
-from ._keeper import leave_with_engine
+from ._lifetime import leave_with_engine
 
 if TYPE_CHECKING:
     from ._engine import TransferEngine
@@ -254,10 +255,10 @@ class MemoryRegistration:
                 holds = tuple(self._holds)
             if not holds:
                 return
+            # Woken when any of the holds settles.
             changed = ThreadSafeEvent()
-            wake = _Wake(changed)
             for hold in holds:
-                hold.on_settled(wake)
+                hold.on_settled(partial(_wake, changed))
             await changed.wait()
 
     async def _attempt(self) -> bool:
@@ -270,13 +271,5 @@ class MemoryRegistration:
         return f"<MemoryRegistration {self.what} {self.ptr:#x}+{self.nbytes} {self._state.value}>"
 
 
-class _Wake:
-    """Wakes a waiting close when any of the holds it waits for settles."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self, event: ThreadSafeEvent) -> None:
-        self._event = event
-
-    def __call__(self, hold: Hold) -> None:
-        self._event.set_from_thread()
+def _wake(event: ThreadSafeEvent, hold: Hold) -> None:
+    event.set_from_thread()

@@ -12,16 +12,18 @@ import torch
 from .._errors import BadRequestError
 from .._modality import Modality
 from .._video_timing import VideoTiming, check_video_timing, timing_from_wire, timing_to_wire
-from ._layout import EmbeddingLayout
+from ._layout import EmbeddingLayout, bad_field as _bad, short_repr
 
 __all__ = [
     "WIRE_VERSION",
     "MAX_HEADER_BYTES",
     "EmbeddingHeader",
+    "ForeignHeader",
     "encode_header",
     "decode_header",
     "payload_nbytes",
     "check_payload",
+    "header_frame",
     "payload_view",
     "tensor_from_frame",
     "dtype_name",
@@ -74,17 +76,6 @@ def torch_dtype(name: str) -> torch.dtype:
         raise BadRequestError(
             f"embedding header field 'dtype' must be one of {', '.join(_DTYPES)}; got {name!r}"
         ) from None
-
-
-def _bad(field: str, requirement: str, value: object) -> BadRequestError:
-    return BadRequestError(
-        f"embedding header field {field!r} must be {requirement}; got {_short(value)}"
-    )
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _int(field: str, value: object, minimum: int = 0) -> None:
@@ -235,13 +226,23 @@ class EmbeddingHeader:
         return self.error is not None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForeignHeader:
+    """A header frame written for another receiver (SGLang's pickled ``EmbeddingData``),
+    pushed as is in place of ours; ``req_id`` and ``part_idx`` name the message in errors."""
+
+    req_id: str
+    part_idx: int
+    frame: bytes
+
+
 _FIELDS: Final = frozenset(f.name for f in dataclasses.fields(EmbeddingHeader))
 _REQUIRED: Final = frozenset(
     f.name
     for f in dataclasses.fields(EmbeddingHeader)
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 ) | {"v"}
-_ERROR_FIELDS: Final = ("error", "status")
+_OPTIONAL: Final = _FIELDS - _REQUIRED
 
 
 def encode_header(header: EmbeddingHeader) -> bytes:
@@ -306,7 +307,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> EmbeddingHeader:
     unknown = [key for key in fields if key not in _FIELDS]
     if unknown:
         raise BadRequestError(
-            f"embedding header has unknown field(s): {_short(sorted(map(repr, unknown)))}"
+            f"embedding header has unknown field(s): {short_repr(sorted(map(repr, unknown)))}"
         )
     missing = sorted(_REQUIRED - fields.keys())
     if missing:
@@ -314,17 +315,13 @@ def decode_header(data: bytes | bytearray | memoryview) -> EmbeddingHeader:
     if fields["v"] != WIRE_VERSION or type(fields["v"]) is not int:
         # Checked before the rest: a newer version may legitimately differ in any field.
         raise _bad("v", f"{WIRE_VERSION} (the only wire version)", fields["v"])
-    for key in _ERROR_FIELDS:
-        # Error fields are absent from data parts; an explicit nil is tolerated.
+    for key in _OPTIONAL:
+        # An optional field (a data part's error and status, say) may be absent or nil.
         if key in fields and fields[key] is None:
             del fields[key]
-    if (layout := fields.pop("layout", None)) is not None:
-        fields["layout"] = EmbeddingLayout.from_wire(layout)
-    if fields.get("traceparent", ...) is None:
-        fields.pop("traceparent", None)
-    if fields.get("video_timing") is None:
-        fields.pop("video_timing", None)
-    else:
+    if "layout" in fields:
+        fields["layout"] = EmbeddingLayout.from_wire(fields["layout"])
+    if "video_timing" in fields:
         fields["video_timing"] = timing_from_wire(
             fields["video_timing"], field="embedding header field 'video_timing'"
         )
@@ -385,15 +382,9 @@ def tensor_from_frame(
             f"payload of req_id {header.req_id!r} part {header.part_idx} is not contiguous",
             req_id=header.req_id,
         ) from None
-    expected = payload_nbytes(header)
-    if view.nbytes != expected:
-        raise BadRequestError(
-            f"payload of req_id {header.req_id!r} part {header.part_idx} is {view.nbytes} bytes; "
-            f"shape {list(header.shape)} of {header.dtype} needs {expected}",
-            req_id=header.req_id,
-        )
+    check_payload(header, view)
     dtype = _DTYPES[header.dtype]
-    if expected == 0:
+    if view.nbytes == 0:
         return torch.empty(header.shape, dtype=dtype)
     if view.readonly:
         view = memoryview(bytearray(view))
@@ -406,9 +397,7 @@ def check_payload(header: EmbeddingHeader, payload: memoryview | None) -> None:
     where = f"req_id {header.req_id!r} part {header.part_idx}"
     if header.error is not None:
         if payload is not None:
-            raise BadRequestError(
-                f"error part of {where} must have no payload", req_id=header.req_id
-            )
+            raise BadRequestError(f"error part of {where} carries a payload", req_id=header.req_id)
         return
     if payload is None:
         raise BadRequestError(f"payload of {where} is missing", req_id=header.req_id)
@@ -420,3 +409,12 @@ def check_payload(header: EmbeddingHeader, payload: memoryview | None) -> None:
             f"{header.dtype} needs {payload_nbytes(header)}",
             req_id=header.req_id,
         )
+
+
+def header_frame(header: EmbeddingHeader | ForeignHeader, payload: memoryview | None) -> bytes:
+    """Frame 0 of a push of ``payload``: ours, checked against ``payload`` (as
+    :func:`check_payload`), or a foreign one as given. Not async."""
+    if isinstance(header, ForeignHeader):
+        return header.frame
+    check_payload(header, payload)
+    return encode_header(header)

@@ -1,6 +1,6 @@
 """Third-party log noise, quiet unless asked for.
 
-- Mooncake's glog lines: see :mod:`encdisagg.transfer._native_logs` (``MC_LOG_LEVEL``
+- Mooncake's glog lines: see :mod:`encdisagg.transfer._mooncake._native_logs` (``MC_LOG_LEVEL``
   defaults to ``WARNING`` below ``--log-level debug``; its start-up lines become debug
   records).
 - Pillow logs every chunk of every PNG it reads at debug level: kept at ``INFO`` even under
@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Final
 
-from ...transfer._native_logs import quiet_mooncake_by_default
+from ...transfer._mooncake._native_logs import quiet_mooncake_by_default
 
 __all__ = ["NOISY_LOGGERS", "THIRD_PARTY_DEBUG_ENV", "quiet_third_party"]
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final, TextIO
 
-from ...transfer._native_logs import NATIVE_LOGGER, glog_level
+from ...transfer._mooncake._native_logs import NATIVE_LOGGER, glog_level
 
 __all__ = ["STDERR_LOGGER", "stderr_lines_to_logging"]
 

@@ -53,7 +53,7 @@ from ...models._checkpoint import model_type_of
 from ...nurseries import run_thread_to_completion
 from ...transfer import ZmqPushPool
 from ...transfer._sglang_frames import SglangPart, sglang_header
-from ...transfer._zmq import ForeignHeader
+from ...transfer._wire import ForeignHeader
 from .._access import PeerAllowList
 from .._backend import Backend, LocalBackend
 from .._client_watch import note_staged

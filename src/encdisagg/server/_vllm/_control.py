@@ -22,7 +22,7 @@ import anyio.lowlevel
 import zmq
 
 from ..._errors import TransferError, TransferTimeoutError
-from ...transfer._zmq_socket import wait_events
+from ...transfer._zmq._socket import wait_events
 
 __all__ = ["ControlChannel", "ControlError"]
 

@@ -18,7 +18,7 @@ import anyio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .._errors import TransferError
+from ..._errors import TransferError
 
 __all__ = ["Connection", "wait_events", "wait_room", "watch_refusals"]
 
@@ -38,13 +38,12 @@ async def wait_events(sock: zmq.Socket[Any], fd: int, event: int) -> None:
 
 async def wait_room(connection: Connection) -> None:
     """Return once the socket takes a message; checkpoints only if it waits."""
-    sock, fd = connection.socket, connection.fd
-    while not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
-        connection.parked = True
-        try:
-            await anyio.wait_readable(fd)
-        finally:
-            connection.parked = False
+    # Marked for the whole wait: nothing else runs between its checks and its awaits.
+    connection.parked = True
+    try:
+        await wait_events(connection.socket, connection.fd, zmq.POLLOUT)
+    finally:
+        connection.parked = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -130,10 +129,6 @@ class Connection:
                 f"{what} failed: the endpoint refused every connection attempt for "
                 f"{self.gave_up_after_s} s (nothing listens there)"
             )
-
-    def lost(self, tracker: zmq.MessageTracker) -> bool:
-        """Whether closing the socket dropped the message ``tracker`` tracks."""
-        return tracker in self.dropped
 
     @property
     def idle(self) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Final
@@ -26,9 +25,9 @@ import anyio
 import anyio.to_thread
 import zmq
 
-from .._errors import TransferError
-from ..nurseries import ThreadSafeEvent
-from ._holds import Hold
+from ..._errors import TransferError
+from ...nurseries import ThreadSafeEvent
+from .._holds import Hold
 
 __all__ = ["SignalledTracker", "send_signalled", "wait_released"]
 
@@ -37,34 +36,27 @@ logger = logging.getLogger(__name__)
 # How long a send waits for the finalizer's wake-up before it also starts a worker thread on
 # the tracker: far longer than a loopback send of 64 MiB, far shorter than any send bound.
 _SIGNAL_GRACE_S: Final = 1.0
+_LET_GO: Final = "ZMQ let go of the payload"
 
 
 class _ReleaseSignal:
     """Fired by the payload view's finalizer, in pyzmq's thread, once ZMQ dropped the frame:
     wakes the waiting send and settles the holds taken on the payload meanwhile."""
 
-    __slots__ = ("_fired", "_holds", "_lock", "released")
+    __slots__ = ("_let_go", "released")
 
     def __init__(self, released: ThreadSafeEvent) -> None:
         self.released = released
-        self._lock = threading.Lock()
-        self._fired = False
-        self._holds: list[Hold] = []
+        # The frame itself, held by ZMQ until the finalizer fires: its callbacks settle the
+        # holds taken on the payload (at once, for one taken after the release).
+        self._let_go = Hold("a zero-copy frame")
 
     def fire(self) -> None:
-        with self._lock:
-            self._fired = True
-            holds, self._holds = self._holds, []
         self.released.set_from_thread()
-        for hold in holds:
-            hold.settle("ZMQ let go of the payload")
+        self._let_go.settle(_LET_GO)
 
     def settle_when_fired(self, hold: Hold) -> None:
-        with self._lock:
-            if not self._fired:
-                self._holds.append(hold)
-                return
-        hold.settle("ZMQ let go of the payload")
+        self._let_go.on_settled(lambda _: hold.settle(_LET_GO))
 
 
 class SignalledTracker(zmq.MessageTracker):
@@ -100,6 +92,7 @@ def send_signalled(
 
 
 def _released(tracker: zmq.MessageTracker) -> bool:
+    # Read afresh: a type checker takes ``tracker.done`` for False after the first check.
     return tracker.done
 
 

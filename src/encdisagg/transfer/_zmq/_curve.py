@@ -20,7 +20,7 @@ from typing import Any, Final
 import zmq
 import zmq.utils.z85
 
-from .._errors import BadRequestError
+from ..._errors import BadRequestError
 
 __all__ = [
     "CurveClient",
@@ -128,8 +128,7 @@ class CurveClient:
         sock.curve_secretkey = self.secret_key
 
 
-def secure_server(sock: zmq.Socket[Any], secret_key: bytes) -> bytes:
-    """Make ``sock`` (not yet bound) a CURVE server; returns its public key."""
+def secure_server(sock: zmq.Socket[Any], secret_key: bytes) -> None:
+    """Make ``sock`` (not yet bound) a CURVE server."""
     sock.curve_server = True
     sock.curve_secretkey = secret_key
-    return zmq.curve_public(secret_key)

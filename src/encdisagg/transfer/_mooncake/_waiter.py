@@ -36,8 +36,8 @@ from typing import Final, Protocol, final
 
 import anyio
 
-from ..nurseries import ThreadSafeEvent, loop_checkpoint
-from ._holds import Hold
+from ...nurseries import ThreadSafeEvent, loop_checkpoint
+from .._holds import Hold
 
 __all__ = [
     "DONE",

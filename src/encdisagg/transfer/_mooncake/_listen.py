@@ -22,9 +22,10 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Collection
 from typing import Final
 
-from .._errors import TransferError
+from ..._errors import TransferError
 
 __all__ = ["keep_listeners_to_host", "socket_inodes"]
 
@@ -47,17 +48,17 @@ _ACCEPT: Final = 0xFFFFFFFF  # keep the whole packet
 _DROP: Final = 0
 
 
-def socket_inodes() -> frozenset[str]:
-    """The sockets this process has open now, by inode (``/proc/self/fd``)."""
-    found = set()
+def socket_inodes() -> dict[str, int]:
+    """The sockets this process has open now, by inode: their descriptors (``/proc/self/fd``)."""
+    found = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # closed meanwhile
             continue
         if target.startswith("socket:"):
-            found.add(target)
-    return frozenset(found)
+            found[target] = int(fd)
+    return found
 
 
 def _instruction(code: int, jt: int, jf: int, k: int) -> bytes:
@@ -108,7 +109,7 @@ def _port_range() -> tuple[int, int]:
     return (low, high)
 
 
-def keep_listeners_to_host(host: str, before: frozenset[str], rpc_port: int) -> list[int]:
+def keep_listeners_to_host(host: str, before: Collection[str], rpc_port: int) -> list[int]:
     """Restrict the wildcard TCP listeners opened since ``before`` to ``host``.
 
     Only listeners on the wildcard address whose port is ``rpc_port`` or in Mooncake's port
@@ -126,13 +127,12 @@ def keep_listeners_to_host(host: str, before: frozenset[str], rpc_port: int) -> 
     fprog = struct.pack("HL", len(program), ctypes.addressof(code))
     low, high = _port_range()
     restricted: list[int] = []
-    for fd in os.listdir("/proc/self/fd"):
+    for inode, fd in socket_inodes().items():
+        if inode in before:
+            continue
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if not target.startswith("socket:") or target in before:
-                continue
-            sock = socket.socket(fileno=os.dup(int(fd)))
-        except OSError:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:  # closed meanwhile
             continue
         with sock:
             if sock.family not in (socket.AF_INET, socket.AF_INET6):

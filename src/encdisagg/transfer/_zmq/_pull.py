@@ -18,11 +18,11 @@ import anyio.lowlevel
 import torch
 import zmq
 
-from .._errors import BadRequestError, TransferError
-from ..nurseries import run_thread_to_completion
-from ._wire import MAX_HEADER_BYTES, EmbeddingHeader, decode_header, tensor_from_frame
-from ._zmq_curve import curve_key, require_curve, secure_server
-from ._zmq_socket import wait_events
+from ..._errors import BadRequestError, TransferError
+from ...nurseries import run_thread_to_completion
+from .._wire import MAX_HEADER_BYTES, EmbeddingHeader, decode_header, tensor_from_frame
+from ._curve import curve_key, require_curve, secure_server
+from ._socket import wait_events
 
 __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "ReceivedPart", "ZmqReceiver"]
 

@@ -1,14 +1,13 @@
 """Embedding push and pull over ZMQ, native to AnyIO (asyncio and Trio alike).
 
 ``zmq.asyncio`` only works on asyncio, so the sockets here are plain non-blocking ZMQ
-sockets whose ``ZMQ_FD`` is awaited with :func:`anyio.wait_readable` (``_zmq_socket``).
+sockets whose ``ZMQ_FD`` is awaited with :func:`anyio.wait_readable` (``_socket``).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, Final, cast, final
 
 import anyio
@@ -16,15 +15,15 @@ import anyio.abc
 import anyio.lowlevel
 import zmq
 
-from .._errors import TransferError
-from ..nurseries import ThreadSafeEvent, collapse_single_error, run_thread_to_completion
-from ._holds import Hold
-from ._wire import EmbeddingHeader, check_payload, encode_header
-from ._zmq_curve import CurveClient
-from ._zmq_release import send_signalled, wait_released
-from ._zmq_socket import Connection, wait_room, watch_refusals
+from ..._errors import TransferError
+from ...nurseries import ThreadSafeEvent, collapse_single_error, run_thread_to_completion
+from .._holds import Hold
+from .._wire import EmbeddingHeader, ForeignHeader, header_frame
+from ._curve import CurveClient
+from ._release import send_signalled, wait_released
+from ._socket import Connection, wait_room, watch_refusals
 
-__all__ = ["ForeignHeader", "ZmqPushPool"]
+__all__ = ["ZmqPushPool"]
 
 # Below this size a payload is copied into ZMQ's own message rather than tracked. Measured on
 # loopback: a tracked send costs ~0.25 ms whatever its size (ZMQ's release passes through
@@ -44,16 +43,6 @@ DEFAULT_IDLE_TIMEOUT_S: Final = 60.0
 DEFAULT_MAX_ENDPOINTS: Final = 128
 #: How long a send waits on an endpoint that refuses every connection attempt.
 DEFAULT_REFUSED_GRACE_S: Final = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class ForeignHeader:
-    """A header frame written for another receiver (SGLang's pickled ``EmbeddingData``),
-    pushed as is in place of ours; ``req_id`` and ``part_idx`` name the message in errors."""
-
-    req_id: str
-    part_idx: int
-    frame: bytes
 
 
 @final
@@ -186,7 +175,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
 
         The wait for a zero-copy payload's release does not poll: the payload view's finalizer
         wakes it when ZMQ lets go (one worker thread waits on ZMQ's tracker only for a release
-        still pending after a second; ``_zmq_release``). If ZMQ still holds the payload when the
+        still pending after a second; ``_release``). If ZMQ still holds the payload when the
         call gives up (``send_timeout_s`` ran out, the caller was cancelled, or the pool
         closed), the endpoint's socket is closed with linger 0 and evicted: ZMQ drops everything
         queued on it, including other sends' messages, which then fail too (a send whose
@@ -210,7 +199,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         :raises TransferError: on timeout, on a ZMQ error, if the connection was reset
             while the message was queued, or if the pool is (or gets) closed.
         """
-        head = _head(header, payload)
+        head = header_frame(header, payload)
         what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
         if self._closed:
             raise TransferError(f"{what}: the push pool is closed", req_id=header.req_id)
@@ -260,7 +249,7 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             or not cast(int, connection.socket.getsockopt(zmq.EVENTS)) & zmq.POLLOUT
         ):
             return False
-        head = _head(header, payload)
+        head = header_frame(header, payload)
         what = f"ZMQ send of req_id {header.req_id!r} part {header.part_idx} to {url}"
         connection.used = True
         try:
@@ -380,9 +369,25 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         if not released_at_once:
             connection.held.add(tracker)
         try:
-            await self._wait_released(
-                connection, tracker, what, on_still_held, 0 if payload is None else payload.nbytes
+            # A send that gives up (timed out, cancelled, aborted) while ZMQ holds the payload
+            # drops the connection: ZMQ cannot unqueue one message, but closing the socket
+            # with linger 0 drops its queue, after which ZMQ lets go of the buffer.
+            await wait_released(
+                tracker,
+                what,
+                drop=lambda: self._evict(connection),
+                drop_bound_s=self._release_timeout_s,
+                # Past any deadline of the send: the send gives up (and evicts) before it.
+                thread_bound_s=self._send_timeout_s + self._release_timeout_s + 1.0,
+                limiter=self._release_waiters,
+                on_still_held=on_still_held,
+                held_bytes=0 if payload is None else payload.nbytes,
             )
+            if tracker in connection.dropped:
+                raise TransferError(
+                    f"{what} failed: the connection was reset while the message was queued "
+                    "(another send to this endpoint failed)"
+                )
         finally:
             connection.held.discard(tracker)
             self._done_with(connection)
@@ -416,34 +421,6 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
             # Half a message may sit in the queue: the socket can never be used again.
             self._evict(connection)
             raise TransferError(f"{what} failed after its header frame: {exc}") from exc
-
-    async def _wait_released(
-        self,
-        connection: Connection,
-        tracker: zmq.MessageTracker,
-        what: str,
-        on_still_held: Callable[[Hold], None] | None,
-        held_bytes: int = 0,
-    ) -> None:
-        # A send that gives up (timed out, cancelled, aborted) while ZMQ holds the payload
-        # drops the connection: ZMQ cannot unqueue one message, but closing the socket with
-        # linger 0 drops its queue, after which ZMQ lets go of the buffer.
-        await wait_released(
-            tracker,
-            what,
-            drop=lambda: self._evict(connection),
-            drop_bound_s=self._release_timeout_s,
-            # Past any deadline of the send: the send gives up (and evicts) before it.
-            thread_bound_s=self._send_timeout_s + self._release_timeout_s + 1.0,
-            limiter=self._release_waiters,
-            on_still_held=on_still_held,
-            held_bytes=held_bytes,
-        )
-        if connection.lost(tracker):
-            raise TransferError(
-                f"{what} failed: the connection was reset while the message was queued "
-                "(another send to this endpoint failed)"
-            )
 
     def _connect(self, url: str, what: str) -> Connection:
         connection = self._connections.get(url)
@@ -513,10 +490,3 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         if self._connections.get(connection.url) is connection:
             del self._connections[connection.url]
         connection.break_off()
-
-
-def _head(header: EmbeddingHeader | ForeignHeader, payload: memoryview | None) -> bytes:
-    if isinstance(header, ForeignHeader):
-        return header.frame
-    check_payload(header, payload)
-    return encode_header(header)

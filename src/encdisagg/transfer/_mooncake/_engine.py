@@ -12,13 +12,14 @@ from typing import Final, Protocol, cast, final
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 
-from .._errors import TransferError, TransferTimeoutError
-from ..nurseries import run_thread_to_completion
-from ._lifetime import EngineLifetime
-from ._mooncake_listen import keep_listeners_to_host, socket_inodes
-from ._mooncake_waiter import (
+from ..._errors import TransferError, TransferTimeoutError
+from ...nurseries import run_thread_to_completion
+from .._lifetime import EngineLifetime, close_in_thread
+from .._regions import RegionTable, check_range
+from ._listen import keep_listeners_to_host, socket_inodes
+from ._native_logs import native_lines_to_logging, quiet_mooncake_by_default
+from ._waiter import (
     DONE,
     FAILED,
     STILL_RUNNING,
@@ -27,8 +28,6 @@ from ._mooncake_waiter import (
     block_until_ended,
     poll_on_loop,
 )
-from ._native_logs import native_lines_to_logging, quiet_mooncake_by_default
-from ._regions import RegionTable, check_range
 
 __all__ = ["MooncakeEngine"]
 
@@ -242,7 +241,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
             rc = block_until_ended(engine, batch, bound)
             self._conclude(engine, call, target_session, batch, rc, local_ptr, nbytes)
         finally:
-            self._end_write()
+            self._lifetime.end_write()
 
     async def write_async(
         self, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int
@@ -288,7 +287,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
                         rc = await self._waiter.wait(engine, batch, timeout_s - polled_s)
                 self._conclude(engine, call, target_session, batch, rc, local_ptr, nbytes)
         finally:
-            self._end_write()
+            self._lifetime.end_write()
         # A cancellation that arrived meanwhile is delivered now the write ended.
         await anyio.lowlevel.checkpoint_if_cancelled()
 
@@ -333,7 +332,11 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         # Mooncake frees a batch that ended: a timed-out one is not freed, so checking it
         # again is safe, and the only way to learn that its slices stopped.
         if not self._waiter.watch(engine, batch, hold):
-            _log_unwatched(call)
+            logger.error(
+                "%s: the engine is closing, so the write that outlived its bound is not "
+                "checked again; its memory stays held until the engine was destroyed",
+                call,
+            )
         raise TransferTimeoutError(
             f"{call} {what}; Mooncake may still read the local memory, which stays held "
             "until Mooncake reports the write ended or the engine is closed",
@@ -348,7 +351,8 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         self, call: str, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int
     ) -> tuple[_MooncakeApi, bool]:
         """The running engine for a write the arguments allow, and whether the session is
-        open already; the write counts as in flight until :meth:`_end_write`. Not async.
+        open already; the write counts as in flight until its lifetime's ``end_write()``.
+        Not async.
 
         :raises TransferError: naming ``call`` for a bad argument, a stopped engine, or a local
             range outside this engine's registered regions.
@@ -365,9 +369,6 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
                 )
             self._lifetime.begin_write()
             return engine, target_session in self._connected
-
-    def _end_write(self) -> None:
-        self._lifetime.end_write()
 
     def keep_until_closed(self, keepalive: object, ptr: int | None = None) -> None:
         """Reference ``keepalive`` until the Mooncake engine was destroyed (nothing touches
@@ -399,11 +400,9 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
             await run_thread_to_completion(self._start)
             yield self
         finally:
-            with anyio.move_on_after(self._close_timeout_s, shield=True) as scope:
-                # Abandoning on the deadline is what bounds the exit: a hung Mooncake call
-                # must not hang shutdown. The engine is already detached at that point.
-                await anyio.to_thread.run_sync(self._stop, abandon_on_cancel=True)
-            if scope.cancelled_caught:
+            # Abandoning on the deadline is what bounds the exit: a hung Mooncake call
+            # must not hang shutdown. The engine is already detached at that point.
+            if not await close_in_thread(self._stop, self._close_timeout_s):
                 logger.error(
                     "MooncakeEngine %s: closing did not finish within %s s",
                     self._session_id,
@@ -479,14 +478,6 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
 
     def __repr__(self) -> str:
         return f"<MooncakeEngine {self._session_id or self._hostname} regions={len(self._regions)}>"
-
-
-def _log_unwatched(call: str) -> None:
-    logger.error(
-        "%s: the engine is closing, so the write that outlived its bound is not checked "
-        "again; its memory stays held until the engine was destroyed",
-        call,
-    )
 
 
 def _mooncake_transfer_timeout_s() -> float:
