@@ -26,6 +26,7 @@ from ._errors import (
     TransferError as TransferError,
     TransferTimeoutError as TransferTimeoutError,
 )
+from ._exports import claim_exports
 from ._modality import Modality as Modality
 from ._version import __version__ as __version__
 
@@ -78,10 +79,7 @@ __all__ = (
     "InternalError",
 )
 
-for _name in __all__:
-    if _name not in _LAZY and _name != "__version__":
-        globals()[_name].__module__ = __name__
-del _name
+claim_exports(globals())
 
 
 def __getattr__(name: str) -> Any:
