@@ -210,6 +210,11 @@ class EncoderConfig:
             "max_queued_jobs",
             "preprocess_threads",
             "max_media_bytes",
+            "zmq_max_endpoints",
+            "max_items_per_request",
+            "max_request_pixels",
+            "max_audio_sample_rate",
+            "max_audio_channels",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
@@ -219,16 +224,11 @@ class EncoderConfig:
             "cleanup_timeout_s",
             "abandon_ttl_s",
             "zmq_send_timeout_s",
+            "zmq_idle_timeout_s",
         ):
             value = getattr(self, name)
-            if not value > 0 or value != value:
+            if not value > 0:  # NaN too
                 raise ConfigError(f"{name} must be a positive number; got {value}")
-        if self.zmq_max_endpoints < 1:
-            raise ConfigError(f"zmq_max_endpoints must be at least 1; got {self.zmq_max_endpoints}")
-        if not self.zmq_idle_timeout_s > 0:
-            raise ConfigError(
-                f"zmq_idle_timeout_s must be a positive number; got {self.zmq_idle_timeout_s}"
-            )
         grace = self.zmq_refused_grace_s
         if grace is not None and not grace >= 0:
             raise ConfigError(f"zmq_refused_grace_s must be >= 0 or None; got {grace}")
@@ -248,15 +248,7 @@ class EncoderConfig:
             raise ConfigError(
                 f"staging_arena_mb must be 0 or more, or null; got {self.staging_arena_mb}"
             )
-        if self.staged_memory_limit_mb is not None and self.staged_memory_limit_mb < 1:
-            raise ConfigError(
-                f"staged_memory_limit_mb must be at least 1 or null; "
-                f"got {self.staged_memory_limit_mb}"
-            )
-        for name in ("max_items_per_request", "max_request_pixels"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
-        for name in ("max_image_pixels", "queued_memory_limit_mb"):
+        for name in ("staged_memory_limit_mb", "max_image_pixels", "queued_memory_limit_mb"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1 or null; got {value}")
@@ -269,9 +261,6 @@ class EncoderConfig:
                 "max_request_audio_seconds must be a positive number; "
                 f"got {self.max_request_audio_seconds}"
             )
-        for name in ("max_audio_sample_rate", "max_audio_channels"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
 
     @property
     def arena_bytes(self) -> int:
