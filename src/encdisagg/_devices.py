@@ -14,6 +14,7 @@ from typing import Final
 from ._errors import ConfigError
 
 __all__ = [
+    "CANONICAL_DTYPES",
     "DEVICE_TYPES",
     "DTYPE_NAMES",
     "check_device",
@@ -24,20 +25,21 @@ __all__ = [
 
 #: Device types a model may run on (torch's names).
 DEVICE_TYPES: Final = ("cpu", "cuda", "mps", "xpu")
+#: Each accepted floating ``dtype`` spelling -> its ``torch`` attribute name.
+CANONICAL_DTYPES: Final = {
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float64": "float64",
+    "double": "float64",
+}
 #: Accepted ``dtype`` spellings (``torch.`` prefix allowed); ``auto``: the checkpoint's own.
-DTYPE_NAMES: Final = (
-    "auto",
-    "float32",
-    "float",
-    "fp32",
-    "float16",
-    "half",
-    "fp16",
-    "bfloat16",
-    "bf16",
-    "float64",
-    "double",
-)
+DTYPE_NAMES: Final = ("auto", *CANONICAL_DTYPES)
 _DEVICE: Final = re.compile(r"(?P<type>[a-z]+)(?::(?P<index>\d{1,3}))?")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Final
 
-from .._devices import check_device
+from .._devices import CANONICAL_DTYPES, check_device
 from .._errors import ConfigError
 from ..registry import parse_registry_url
 from ._access import ApiKey, PeerAllowList
@@ -20,17 +20,8 @@ __all__ = ["ServerSettings", "canonical_dtype"]
 _VLLM_CONNECTORS: Final = ("example", "mooncake")
 
 #: Each accepted dtype spelling -> its ``torch`` attribute name (what vLLM's ``reserve`` and
-#: safetensors' header name).
-_CANONICAL: Final = {
-    "float32": "float32",
-    "float": "float32",
-    "fp32": "float32",
-    "float16": "float16",
-    "half": "float16",
-    "fp16": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-}
+#: safetensors' header name): the floating dtypes but float64.
+_CANONICAL: Final = {name: dtype for name, dtype in CANONICAL_DTYPES.items() if dtype != "float64"}
 
 
 def canonical_dtype(name: str) -> str:
