@@ -142,7 +142,7 @@ class DecodeTransferQueue:
     def deferred(self) -> list[DecodeRequest]:
         """The held requests still waiting for their acks or deadline, oldest first (a
         snapshot; retired ones are in :attr:`retired`)."""
-        return [entry.req for entry in self._entries if entry.retired_at is None]
+        return [entry.req for entry in self.held]
 
     @property
     def held(self) -> tuple[HeldRelease, ...]:
@@ -158,12 +158,12 @@ class DecodeTransferQueue:
     @property
     def held_pages(self) -> int:
         """Pages of the requests in :attr:`deferred`."""
-        return sum(len(entry.req.pages) for entry in self._entries if entry.retired_at is None)
+        return sum(len(entry.req.pages) for entry in self.held)
 
     @property
     def retired_pages(self) -> int:
         """Pages of the retired requests."""
-        return sum(len(e.req.pages) for e in self._entries if e.retired_at is not None)
+        return sum(len(entry.req.pages) for entry in self.retired)
 
     @property
     def held_bytes(self) -> int:
@@ -172,10 +172,7 @@ class DecodeTransferQueue:
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a held request, or ``None`` if none waits for one."""
-        return min(
-            (entry.deadline for entry in self._entries if entry.retired_at is None),
-            default=None,
-        )
+        return min((entry.deadline for entry in self.held), default=None)
 
     # -- decisions -----------------------------------------------------------------------------
 
