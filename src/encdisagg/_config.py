@@ -183,24 +183,20 @@ class EncoderConfig:
             _check_type(f.name, value, hints[f.name])
             if isinstance(value, list):
                 object.__setattr__(self, f.name, tuple(value))
-        if self.transfer not in TRANSFERS:
-            raise ConfigError(
-                f"transfer must be one of {', '.join(TRANSFERS)}; got {self.transfer!r}"
-            )
-        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
-            raise ConfigError(
-                f"mooncake_protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}; "
-                f"got {self.mooncake_protocol!r}"
-            )
+        for name, allowed in (
+            ("transfer", TRANSFERS),
+            ("mooncake_protocol", MOONCAKE_PROTOCOLS),
+            ("preprocess", PREPROCESS_MODES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}"
+                )
         if not self.model:
             raise ConfigError("model must be a non-empty name or path")
         unknown_model = unknown_name_problem(self.model)
         if unknown_model is not None:
             raise ConfigError(unknown_model)
-        if self.preprocess not in PREPROCESS_MODES:
-            raise ConfigError(
-                f"preprocess must be one of {', '.join(PREPROCESS_MODES)}; got {self.preprocess!r}"
-            )
         # Named here, not when the encoder opens: a typo fails where it was written.
         check_device(self.device)
         check_dtype(self.dtype)
