@@ -73,6 +73,15 @@ class _RegisteredBuffer:
         self._registration: MemoryRegistration | None = None
 
     @property
+    def ptr(self) -> int:
+        """The address of the buffer (page 0, row 0)."""
+        return int(self._buffer.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.nbytes
+
+    @property
     def registered_with(self) -> TransferEngine | None:
         """The engine the buffer is registered with by a ``registered`` block, if any."""
         registration = self._registration
@@ -122,9 +131,8 @@ class _RegisteredBuffer:
             raise ValueError(f"close_timeout_s must be >= 0, got {close_timeout_s!r}")
         if self._registration is not None:
             raise InternalError(f"{self._what} is registered already")
-        buffer = self._buffer
         registration = MemoryRegistration(
-            engine, int(buffer.data_ptr()), buffer.nbytes, buffer, what=self._what
+            engine, self.ptr, self.nbytes, self._buffer, what=self._what
         )
         self._registration = registration
         failed: BaseException | None = None
@@ -210,15 +218,6 @@ class KVPagePool(_RegisteredBuffer):
 
     # -- addresses and views -------------------------------------------------------------------
 
-    @property
-    def ptr(self) -> int:
-        """The address of page 0."""
-        return int(self.buffer.data_ptr())
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_pages * self.page_bytes
-
     def _check(self, page: int) -> None:
         if not 0 <= page < self.num_pages:
             raise InternalError(f"KV page {page} is out of range [0, {self.num_pages})")
@@ -275,14 +274,6 @@ class MetadataSlotTable(_RegisteredBuffer):
         """A view of ``slot``'s words past the fixed eight (e.g. a draft state), in place."""
         self._check(slot)
         return self.rows[slot, _ROW_WORDS:]
-
-    @property
-    def ptr(self) -> int:
-        return int(self.rows.data_ptr())
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.row_bytes
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.size:
