@@ -16,12 +16,9 @@ def claim_exports(namespace: Mapping[str, Any]) -> None:
     aliases and names not loaded yet (a lazy export) keep theirs. Not async.
     """
     for name in namespace["__all__"]:
-        _claim(namespace.get(name), namespace["__name__"])
-
-
-def _claim(value: object, module: str) -> None:
-    if isinstance(value, (type, FunctionType)):
-        value.__module__ = module
+        value = namespace.get(name)
+        if isinstance(value, (type, FunctionType)):
+            value.__module__ = namespace["__name__"]
 
 
 def lazy_exports(
@@ -39,8 +36,8 @@ def lazy_exports(
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module, package), name)
-        if claim:
-            _claim(value, package)
+        if claim and isinstance(value, (type, FunctionType)):
+            value.__module__ = package
         namespace[name] = value
         return value
 
