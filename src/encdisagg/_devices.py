@@ -8,7 +8,7 @@ machine has, and only for accelerator devices.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Final
 
 from ._errors import ConfigError
@@ -60,18 +60,21 @@ def check_device(device: object, field: str = "device") -> str:
     return device  # type: ignore[return-value]  # matched a str above
 
 
-def check_dtype(dtype: object, field: str = "dtype") -> None:
-    """Accept ``None`` or a floating dtype name of :data:`DTYPE_NAMES`. Not async.
+def check_dtype(
+    dtype: object, field: str = "dtype", names: Collection[str] = DTYPE_NAMES
+) -> str | None:
+    """Accept ``None`` or a dtype name of ``names`` (spellings of :data:`DTYPE_NAMES`,
+    ``torch.`` prefix allowed); return the name as a torch attribute (``"bf16"`` ->
+    ``"bfloat16"``, ``"auto"`` as is), or ``None``. Not async.
 
     :raises ConfigError: naming ``field`` for anything else.
     """
     if dtype is None:
-        return
+        return None
     name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else None
-    if name not in DTYPE_NAMES:
-        raise ConfigError(
-            f"{field} must be one of {', '.join(DTYPE_NAMES)} (or null); got {dtype!r}"
-        )
+    if name not in names:
+        raise ConfigError(f"{field} must be one of {', '.join(names)} (or null); got {dtype!r}")
+    return CANONICAL_DTYPES.get(name, name)
 
 
 def _cuda_count() -> int:
