@@ -71,7 +71,7 @@ def check_dtype(
     """
     if dtype is None:
         return None
-    name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else None
+    name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else ""
     if name not in names:
         raise ConfigError(f"{field} must be one of {', '.join(names)} (or null); got {dtype!r}")
     return CANONICAL_DTYPES.get(name, name)

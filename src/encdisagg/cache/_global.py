@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Final
@@ -277,36 +278,28 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
             )
             self._count("inserts_dropped", 1)
             return False
-        store = self._connection.store
-        group = self._group
-        if (
-            store is None
-            or group is None
-            or not self._breaker.closed
-            or self._pending >= self.settings.max_pending_inserts
-        ):
+        put = functools.partial(
+            put_entry, key=key, item=item, hidden_size=self._hidden_size, dtype=self._dtype
+        )
+        started = (
+            self._breaker.closed
+            and self._pending < self.settings.max_pending_inserts
+            and self._start("insert", key, put)
+        )
+        if not started:
             self._count("inserts_dropped", 1)
-            return False
-        put = functools.partial(put_entry, hidden_size=self._hidden_size, dtype=self._dtype)
-        self._start(group, "insert", key, put, store, key, item)
-        return True
+        return started
 
     def evict_soon(self, key: str) -> None:
         """Remove ``key`` from the store in the background. Not a checkpoint; never raises."""
-        store = self._connection.store
-        group = self._group
-        if store is None or group is None:
-            return
-        self._start(group, "eviction", key, store.remove, key)
+        self._start("eviction", key, operator.methodcaller("remove", key))
 
-    def _start(
-        self,
-        group: ServiceTaskGroup,
-        what: str,
-        key: str,
-        func: Callable[..., object],
-        *args: object,
-    ) -> None:
+    def _start(self, what: str, key: str, call: Callable[[EmbeddingStore], object]) -> bool:
+        """Run ``call(store)`` in the background (see :meth:`_background`); ``False`` when
+        the store is not connected or the cache is closing."""
+        store, group = self._connection.store, self._group
+        if store is None or group is None:
+            return False
         if self._pending == 0:
             self._idle = anyio.Event()
         self._pending += 1
@@ -316,8 +309,9 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         before = self._last_by_key.get(key)
         ended = self._last_by_key[key] = anyio.Event()
         group.start_soon(
-            self._background, what, key, before, ended, func, *args, name=f"global cache {what}"
+            self._background, what, key, before, ended, call, store, name=f"global cache {what}"
         )
+        return True
 
     async def _background(
         self,
