@@ -158,7 +158,7 @@ def kv_checksum(chunks: Iterable[torch.Tensor]) -> int:
     return crc + 1
 
 
-class KVPagePool(_RegisteredBuffer):
+class KVPagePool(_RegisteredBuffer, PageAllocator):
     """Fixed-size KV pages carved out of one flat tensor.
 
     :param num_pages: how many pages.
@@ -166,7 +166,7 @@ class KVPagePool(_RegisteredBuffer):
     :param dtype: the element type of the buffer.
     :param device: where the buffer lives.
 
-    Allocation and freeing are synchronous (see :class:`PageAllocator`); a double free raises
+    Allocation and freeing are :class:`PageAllocator`'s (synchronous); a double free raises
     :class:`~encdisagg.InternalError`. Register the buffer with an engine for the pool's
     working life with ``async with pool.registered(engine): ...``, and keep every request that
     uses the pages inside that block, so the pages are deregistered only after their last
@@ -187,34 +187,13 @@ class KVPagePool(_RegisteredBuffer):
                 f"page_bytes must be a positive multiple of {itemsize} for {dtype}, "
                 f"got {page_bytes}"
             )
-        self._allocator = PageAllocator(num_pages)
+        PageAllocator.__init__(self, num_pages)
         self.page_bytes = page_bytes
         self._page_elems = page_bytes // itemsize
         self.buffer = torch.zeros(num_pages * self._page_elems, dtype=dtype, device=device)
-        super().__init__(f"KV page pool ({num_pages} x {page_bytes} B)", self.buffer)
-
-    # -- allocation: synchronous ---------------------------------------------------------------
-
-    @property
-    def num_pages(self) -> int:
-        return self._allocator.num_pages
-
-    def available(self) -> int:
-        return self._allocator.available()
-
-    def is_allocated(self, page: int) -> bool:
-        return self._allocator.is_allocated(page)
-
-    def alloc(self, count: int) -> tuple[int, ...] | None:
-        """Take ``count`` pages, or ``None`` (taking none) if fewer are free."""
-        return self._allocator.alloc(count)
-
-    def free(self, pages: Iterable[int]) -> None:
-        """Give ``pages`` back, all or none.
-
-        :raises InternalError: on a double free or an out-of-range page.
-        """
-        self._allocator.free(pages)
+        _RegisteredBuffer.__init__(
+            self, f"KV page pool ({num_pages} x {page_bytes} B)", self.buffer
+        )
 
     # -- addresses and views -------------------------------------------------------------------
 
