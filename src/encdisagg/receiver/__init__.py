@@ -13,7 +13,8 @@
   between them.
 """
 
-from .._exports import claim_exports
+from types import FunctionType as _FunctionType
+
 from ._client import (
     EncoderCallError as EncoderCallError,
     EncoderClient as EncoderClient,
@@ -75,4 +76,9 @@ __all__ = (
     "fetch_from_fleet",
 )
 
-claim_exports(globals())
+for _name in __all__:
+    _obj = globals()[_name]
+    # Classes and functions claim the public module; the type alias has no module of its own.
+    if isinstance(_obj, (type, _FunctionType)):
+        _obj.__module__ = __name__
+del _name, _obj, _FunctionType
