@@ -10,8 +10,7 @@ The names that need torch (``Encoder`` and its request types) load on first use,
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._config import EncoderConfig as EncoderConfig
 from ._errors import (
@@ -26,6 +25,7 @@ from ._errors import (
     TransferError as TransferError,
     TransferTimeoutError as TransferTimeoutError,
 )
+from ._exports import claim_exports, lazy_exports
 from ._modality import Modality as Modality
 from ._version import __version__ as __version__
 
@@ -78,20 +78,6 @@ __all__ = (
     "InternalError",
 )
 
-for _name in __all__:
-    if _name not in _LAZY and _name != "__version__":
-        globals()[_name].__module__ = __name__
-del _name
+claim_exports(globals())
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'encdisagg' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY, claim=False)

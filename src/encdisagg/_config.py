@@ -183,24 +183,20 @@ class EncoderConfig:
             _check_type(f.name, value, hints[f.name])
             if isinstance(value, list):
                 object.__setattr__(self, f.name, tuple(value))
-        if self.transfer not in TRANSFERS:
-            raise ConfigError(
-                f"transfer must be one of {', '.join(TRANSFERS)}; got {self.transfer!r}"
-            )
-        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
-            raise ConfigError(
-                f"mooncake_protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}; "
-                f"got {self.mooncake_protocol!r}"
-            )
+        for name, allowed in (
+            ("transfer", TRANSFERS),
+            ("mooncake_protocol", MOONCAKE_PROTOCOLS),
+            ("preprocess", PREPROCESS_MODES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}"
+                )
         if not self.model:
             raise ConfigError("model must be a non-empty name or path")
         unknown_model = unknown_name_problem(self.model)
         if unknown_model is not None:
             raise ConfigError(unknown_model)
-        if self.preprocess not in PREPROCESS_MODES:
-            raise ConfigError(
-                f"preprocess must be one of {', '.join(PREPROCESS_MODES)}; got {self.preprocess!r}"
-            )
         # Named here, not when the encoder opens: a typo fails where it was written.
         check_device(self.device)
         check_dtype(self.dtype)
@@ -210,6 +206,11 @@ class EncoderConfig:
             "max_queued_jobs",
             "preprocess_threads",
             "max_media_bytes",
+            "zmq_max_endpoints",
+            "max_items_per_request",
+            "max_request_pixels",
+            "max_audio_sample_rate",
+            "max_audio_channels",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
@@ -219,16 +220,11 @@ class EncoderConfig:
             "cleanup_timeout_s",
             "abandon_ttl_s",
             "zmq_send_timeout_s",
+            "zmq_idle_timeout_s",
         ):
             value = getattr(self, name)
-            if not value > 0 or value != value:
+            if not value > 0:  # NaN too
                 raise ConfigError(f"{name} must be a positive number; got {value}")
-        if self.zmq_max_endpoints < 1:
-            raise ConfigError(f"zmq_max_endpoints must be at least 1; got {self.zmq_max_endpoints}")
-        if not self.zmq_idle_timeout_s > 0:
-            raise ConfigError(
-                f"zmq_idle_timeout_s must be a positive number; got {self.zmq_idle_timeout_s}"
-            )
         grace = self.zmq_refused_grace_s
         if grace is not None and not grace >= 0:
             raise ConfigError(f"zmq_refused_grace_s must be >= 0 or None; got {grace}")
@@ -248,15 +244,7 @@ class EncoderConfig:
             raise ConfigError(
                 f"staging_arena_mb must be 0 or more, or null; got {self.staging_arena_mb}"
             )
-        if self.staged_memory_limit_mb is not None and self.staged_memory_limit_mb < 1:
-            raise ConfigError(
-                f"staged_memory_limit_mb must be at least 1 or null; "
-                f"got {self.staged_memory_limit_mb}"
-            )
-        for name in ("max_items_per_request", "max_request_pixels"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
-        for name in ("max_image_pixels", "queued_memory_limit_mb"):
+        for name in ("staged_memory_limit_mb", "max_image_pixels", "queued_memory_limit_mb"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1 or null; got {value}")
@@ -269,9 +257,6 @@ class EncoderConfig:
                 "max_request_audio_seconds must be a positive number; "
                 f"got {self.max_request_audio_seconds}"
             )
-        for name in ("max_audio_sample_rate", "max_audio_channels"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1; got {getattr(self, name)}")
 
     @property
     def arena_bytes(self) -> int:

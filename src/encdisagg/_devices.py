@@ -8,12 +8,13 @@ machine has, and only for accelerator devices.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Final
 
 from ._errors import ConfigError
 
 __all__ = [
+    "CANONICAL_DTYPES",
     "DEVICE_TYPES",
     "DTYPE_NAMES",
     "check_device",
@@ -24,20 +25,21 @@ __all__ = [
 
 #: Device types a model may run on (torch's names).
 DEVICE_TYPES: Final = ("cpu", "cuda", "mps", "xpu")
+#: Each accepted floating ``dtype`` spelling -> its ``torch`` attribute name.
+CANONICAL_DTYPES: Final = {
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float64": "float64",
+    "double": "float64",
+}
 #: Accepted ``dtype`` spellings (``torch.`` prefix allowed); ``auto``: the checkpoint's own.
-DTYPE_NAMES: Final = (
-    "auto",
-    "float32",
-    "float",
-    "fp32",
-    "float16",
-    "half",
-    "fp16",
-    "bfloat16",
-    "bf16",
-    "float64",
-    "double",
-)
+DTYPE_NAMES: Final = ("auto", *CANONICAL_DTYPES)
 _DEVICE: Final = re.compile(r"(?P<type>[a-z]+)(?::(?P<index>\d{1,3}))?")
 
 
@@ -58,18 +60,21 @@ def check_device(device: object, field: str = "device") -> str:
     return device  # type: ignore[return-value]  # matched a str above
 
 
-def check_dtype(dtype: object, field: str = "dtype") -> None:
-    """Accept ``None`` or a floating dtype name of :data:`DTYPE_NAMES`. Not async.
+def check_dtype(
+    dtype: object, field: str = "dtype", names: Collection[str] = DTYPE_NAMES
+) -> str | None:
+    """Accept ``None`` or a dtype name of ``names`` (spellings of :data:`DTYPE_NAMES`,
+    ``torch.`` prefix allowed); return the name as a torch attribute (``"bf16"`` ->
+    ``"bfloat16"``, ``"auto"`` as is), or ``None``. Not async.
 
     :raises ConfigError: naming ``field`` for anything else.
     """
     if dtype is None:
-        return
-    name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else None
-    if name not in DTYPE_NAMES:
-        raise ConfigError(
-            f"{field} must be one of {', '.join(DTYPE_NAMES)} (or null); got {dtype!r}"
-        )
+        return None
+    name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else ""
+    if name not in names:
+        raise ConfigError(f"{field} must be one of {', '.join(names)} (or null); got {dtype!r}")
+    return CANONICAL_DTYPES.get(name, name)
 
 
 def _cuda_count() -> int:

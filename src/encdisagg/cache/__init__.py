@@ -12,6 +12,7 @@
 The local tier is the Encoder's :class:`~encdisagg.encoder.PrefixCache`; see ``docs/cache.md``.
 """
 
+from .._exports import claim_exports
 from ._breaker import BreakerState as BreakerState, CircuitBreaker as CircuitBreaker
 from ._entry import (
     CachedItem as CachedItem,
@@ -63,8 +64,4 @@ __all__ = (
     "rc_name",
 )
 
-for _name in __all__:
-    _value = globals()[_name]
-    if callable(_value) or isinstance(_value, type):
-        _value.__module__ = __name__
-del _name, _value
+claim_exports(globals())

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+import operator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Final
 
@@ -140,10 +141,6 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
     @property
     def connected(self) -> bool:
         return self._connection.store is not None
-
-    @property
-    def breaker_state(self) -> BreakerState:
-        return self._breaker.state
 
     def stats(self) -> GlobalCacheStats:
         """A snapshot of the counters. Not a checkpoint."""
@@ -281,35 +278,28 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
             )
             self._count("inserts_dropped", 1)
             return False
-        store = self._connection.store
-        group = self._group
-        if (
-            store is None
-            or group is None
-            or not self._breaker.closed
-            or self._pending >= self.settings.max_pending_inserts
-        ):
+        put = functools.partial(
+            put_entry, key=key, item=item, hidden_size=self._hidden_size, dtype=self._dtype
+        )
+        started = (
+            self._breaker.closed
+            and self._pending < self.settings.max_pending_inserts
+            and self._start("insert", key, put)
+        )
+        if not started:
             self._count("inserts_dropped", 1)
-            return False
-        self._start(group, key, self._insert, store, key, item, name="global cache insert")
-        return True
+        return started
 
     def evict_soon(self, key: str) -> None:
         """Remove ``key`` from the store in the background. Not a checkpoint; never raises."""
-        store = self._connection.store
-        group = self._group
-        if store is None or group is None:
-            return
-        self._start(group, key, self._evict, store, key, name="global cache eviction")
+        self._start("eviction", key, operator.methodcaller("remove", key))
 
-    def _start(
-        self,
-        group: ServiceTaskGroup,
-        key: str,
-        func: Callable[..., Awaitable[None]],
-        *args: object,
-        name: str,
-    ) -> None:
+    def _start(self, what: str, key: str, call: Callable[[EmbeddingStore], object]) -> bool:
+        """Run ``call(store)`` in the background (see :meth:`_background`); ``False`` when
+        the store is not connected or the cache is closing."""
+        store, group = self._connection.store, self._group
+        if store is None or group is None:
+            return False
         if self._pending == 0:
             self._idle = anyio.Event()
         self._pending += 1
@@ -318,20 +308,35 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
         # the fresh entry with it.
         before = self._last_by_key.get(key)
         ended = self._last_by_key[key] = anyio.Event()
-        group.start_soon(self._background, key, before, ended, func, *args, name=name)
+        group.start_soon(
+            self._background, what, key, before, ended, call, store, name=f"global cache {what}"
+        )
+        return True
 
     async def _background(
         self,
+        what: str,
         key: str,
         before: anyio.Event | None,
         ended: anyio.Event,
-        func: Callable[..., Awaitable[None]],
+        func: Callable[..., object],
         *args: object,
     ) -> None:
+        """One insert or eviction (``what``) in a worker thread, once the one before it of
+        ``key`` ended: counted, and fed to the breaker. An eviction runs whatever the breaker
+        says, so its success does not close the breaker; only its failure counts."""
         try:
             if before is not None:
                 await before.wait()
-            await func(*args)
+            await run_thread_to_completion(func, *args, limiter=self._background_limiter)
+        except Exception as exc:
+            self._count(f"{what}_failures", 1)
+            logger.warning("global cache %s of %s failed: %s", what, key, exc)
+            self._record(False)
+        else:
+            self._count(f"{what}s", 1)
+            if what == "insert":
+                self._record(True)
         finally:
             ended.set()
             if self._last_by_key.get(key) is ended:
@@ -339,30 +344,3 @@ class GlobalCache(anyio.AsyncContextManagerMixin):
             self._pending -= 1
             if self._pending == 0:
                 self._idle.set()
-
-    async def _insert(self, store: EmbeddingStore, key: str, item: CachedItem) -> None:
-        try:
-            await run_thread_to_completion(
-                functools.partial(put_entry, hidden_size=self._hidden_size, dtype=self._dtype),
-                store,
-                key,
-                item,
-                limiter=self._background_limiter,
-            )
-        except Exception as exc:
-            self._count("insert_failures", 1)
-            logger.warning("global cache insert of %s failed: %s", key, exc)
-            self._record(False)
-        else:
-            self._count("inserts", 1)
-            self._record(True)
-
-    async def _evict(self, store: EmbeddingStore, key: str) -> None:
-        try:
-            await run_thread_to_completion(store.remove, key, limiter=self._background_limiter)
-        except Exception as exc:
-            self._count("eviction_failures", 1)
-            logger.warning("global cache eviction of %s failed: %s", key, exc)
-            self._record(False)
-        else:
-            self._count("evictions", 1)

@@ -22,6 +22,10 @@ def _fail(part: str, problem: str) -> BadRequestError:
     return BadRequestError(f"{_FIELD}: {part} {problem}")
 
 
+def _param(name: str, problem: str) -> BadRequestError:
+    return _fail(f"query parameter {name!r}", problem)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GlobalCacheSettings:
     """Where the global embedding cache lives and how the encoder treats it.
@@ -69,10 +73,10 @@ class GlobalCacheSettings:
 
 def _int_param(name: str, text: str, *, minimum: int) -> int:
     if not text.isdigit():
-        raise _fail(f"query parameter {name!r}", f"must be an integer >= {minimum}; got {text!r}")
+        raise _param(name, f"must be an integer >= {minimum}; got {text!r}")
     value = int(text)
     if value < minimum:
-        raise _fail(f"query parameter {name!r}", f"must be at least {minimum}; got {value}")
+        raise _param(name, f"must be at least {minimum}; got {value}")
     return value
 
 
@@ -82,32 +86,26 @@ def _float_param(name: str, text: str) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
-        raise _fail(f"query parameter {name!r}", f"must be a positive number; got {text!r}")
+        raise _param(name, f"must be a positive number; got {text!r}")
     return value
 
 
 def _metadata_param(text: str) -> str:
     if text == "P2PHANDSHAKE":
-        raise _fail(
-            "query parameter 'metadata'",
-            "must name a metadata server; the store cannot use P2PHANDSHAKE",
-        )
+        raise _param("metadata", "must name a metadata server; the store cannot use P2PHANDSHAKE")
     parts = urllib.parse.urlsplit(text)
     if parts.scheme not in _METADATA_SCHEMES or not parts.hostname:
-        raise _fail(
-            "query parameter 'metadata'",
-            f"must be an http(s):// or etcd:// URL with a host; got {text!r}",
-        )
+        raise _param("metadata", f"must be an http(s):// or etcd:// URL with a host; got {text!r}")
     try:
         parts.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError:
-        raise _fail("query parameter 'metadata'", f"has an invalid port: {text!r}") from None
+        raise _param("metadata", f"has an invalid port: {text!r}") from None
     return text
 
 
 def _host_param(name: str, text: str) -> str:
     if not text or any(ch.isspace() for ch in text) or "/" in text:
-        raise _fail(f"query parameter {name!r}", f"must be a host name; got {text!r}")
+        raise _param(name, f"must be a host name; got {text!r}")
     return text
 
 
@@ -151,7 +149,7 @@ def parse_global_cache_url(url: str, *, default_host: str = "127.0.0.1") -> Glob
     seen: dict[str, str] = {}
     for name, value in pairs:
         if name in seen:
-            raise _fail(f"query parameter {name!r}", "is given more than once")
+            raise _param(name, "is given more than once")
         seen[name] = value
     host = parts.hostname
     master = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -161,10 +159,7 @@ def parse_global_cache_url(url: str, *, default_host: str = "127.0.0.1") -> Glob
             values[name] = _metadata_param(text)
         elif name == "protocol":
             if text not in PROTOCOLS:
-                raise _fail(
-                    "query parameter 'protocol'",
-                    f"must be one of {', '.join(PROTOCOLS)}; got {text!r}",
-                )
+                raise _param(name, f"must be one of {', '.join(PROTOCOLS)}; got {text!r}")
             values[name] = text
         elif name == "segment_mb":
             values[name] = _int_param(name, text, minimum=0)
@@ -177,10 +172,9 @@ def parse_global_cache_url(url: str, *, default_host: str = "127.0.0.1") -> Glob
         elif name == "device":
             values[name] = text
         else:
-            raise _fail(f"query parameter {name!r}", "is unknown")
+            raise _param(name, "is unknown")
     if "metadata" not in values:
-        raise _fail(
-            "query parameter 'metadata'",
-            "is required (the metadata server URL, e.g. http://host:port/metadata)",
+        raise _param(
+            "metadata", "is required (the metadata server URL, e.g. http://host:port/metadata)"
         )
     return GlobalCacheSettings(**values)

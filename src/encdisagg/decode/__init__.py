@@ -23,8 +23,7 @@ The async shell: :func:`run_decode_step` runs one batched step of a
 :class:`DecodeBatchScheduler` (:func:`run_decode_step_inline` on the loop's own thread).
 """
 
-from types import FunctionType as _FunctionType
-
+from .._exports import claim_exports
 from ._acks import AbortAckTracker as AbortAckTracker
 from ._backup import PagedKVBackup as PagedKVBackup
 from ._batch_loop import (
@@ -100,9 +99,4 @@ __all__ = (
     "run_decode_step_inline",
 )
 
-for _name in __all__:
-    _obj = globals()[_name]
-    # Classes and functions claim the public module; the type alias has no module of its own.
-    if isinstance(_obj, (type, _FunctionType)):
-        _obj.__module__ = __name__
-del _name, _obj, _FunctionType
+claim_exports(globals())

@@ -42,11 +42,6 @@ class HeldRelease:
     #: ``None`` while it still waits for its deadline.
     retired_at: float | None = None
 
-    @property
-    def retired(self) -> bool:
-        """Whether it is retired: past its deadline, kept out of use until its acks come."""
-        return self.retired_at is not None
-
 
 def hold_for(req: DecodeRequest, generation: int, page_bytes: int) -> Hold:
     """The hold of a request held for the drain of ``generation``; ``page_bytes`` per page."""

@@ -61,6 +61,7 @@ class PageAllocator:
         return 0 <= page < self._num_pages and not self._is_free[page]
 
     def alloc(self, count: int) -> tuple[int, ...] | None:
+        """Take ``count`` pages, or ``None`` (taking none) if fewer are free."""
         if count < 0:
             raise ValueError(f"count must be non-negative, got {count}")
         if count > len(self._free):

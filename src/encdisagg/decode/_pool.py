@@ -11,7 +11,7 @@ import logging
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import anyio.lowlevel
 import torch
@@ -34,60 +34,6 @@ _log = logging.getLogger("encdisagg.decode")
 #: How long leaving a ``registered`` block tries to deregister by default; past it the
 #: registration is left to the engine.
 CLOSE_TIMEOUT_S = 10.0
-
-
-class _Registered:
-    """One buffer's registration with an engine, at most one at a time (a
-    :class:`~encdisagg.transfer.MemoryRegistration` per ``registered`` block)."""
-
-    __slots__ = ("_keepalive", "_registration", "_what")
-
-    def __init__(self, what: str, keepalive: torch.Tensor) -> None:
-        self._what = what
-        self._keepalive = keepalive
-        self._registration: MemoryRegistration | None = None
-
-    @property
-    def registration(self) -> MemoryRegistration | None:
-        return self._registration
-
-    @property
-    def engine(self) -> TransferEngine | None:
-        registration = self._registration
-        if registration is None or not registration.registered:
-            return None
-        return registration.engine
-
-    def hold(self, hold: Hold) -> None:
-        """Keep the buffer registered (and alive) until ``hold`` settles, while registered;
-        held memory is never deregistered or freed under a late write."""
-        registration = self._registration
-        if registration is not None:
-            registration.hold(hold)
-
-    @asynccontextmanager
-    async def block(self, engine: TransferEngine, close_timeout_s: float) -> AsyncIterator[None]:
-        if not close_timeout_s >= 0:
-            raise ValueError(f"close_timeout_s must be >= 0, got {close_timeout_s!r}")
-        if self._registration is not None:
-            raise InternalError(f"{self._what} is registered already")
-        buffer = self._keepalive
-        registration = MemoryRegistration(
-            engine, int(buffer.data_ptr()), buffer.nbytes, buffer, what=self._what
-        )
-        self._registration = registration
-        failed: BaseException | None = None
-        try:
-            # A caller cancelled while the engine registers returns once the engine did,
-            # the registration it made recorded: the finally below undoes it.
-            await registration.open()
-            yield
-        except BaseException as exc:
-            failed = exc
-            raise
-        finally:
-            self._registration = None
-            await _close(registration, close_timeout_s, failed)
 
 
 async def _close(
@@ -116,6 +62,93 @@ async def _close(
     failed.add_note(message)
 
 
+class _RegisteredBuffer:
+    """A buffer the prefill side writes into once it is registered with an engine, at most
+    one registration at a time (a :class:`~encdisagg.transfer.MemoryRegistration` per
+    ``registered`` block): what :class:`KVPagePool` and :class:`MetadataSlotTable` share."""
+
+    def __init__(self, what: str, buffer: torch.Tensor) -> None:
+        self._what = what
+        self._buffer = buffer
+        self._registration: MemoryRegistration | None = None
+
+    @property
+    def ptr(self) -> int:
+        """The address of the buffer (page 0, row 0)."""
+        return int(self._buffer.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.nbytes
+
+    @property
+    def registered_with(self) -> TransferEngine | None:
+        """The engine the buffer is registered with by a ``registered`` block, if any."""
+        registration = self._registration
+        if registration is None or not registration.registered:
+            return None
+        return registration.engine
+
+    @property
+    def registration(self) -> MemoryRegistration | None:
+        """The buffer's registration while a ``registered`` block runs."""
+        return self._registration
+
+    def hold(self, hold: Hold) -> None:
+        """A prefill write may still land in some pages (or rows) until ``hold`` settles:
+        while the buffer is registered, it is not deregistered before that, and ``hold``
+        keeps it alive; held memory is never deregistered or freed under a late write. Not a
+        checkpoint; thread-safe."""
+        registration = self._registration
+        if registration is not None:
+            registration.hold(hold)
+
+    @asynccontextmanager
+    async def registered(
+        self, engine: TransferEngine, *, close_timeout_s: float = CLOSE_TIMEOUT_S
+    ) -> AsyncIterator[Self]:
+        """Register the whole buffer with ``engine`` for the duration of the block.
+
+        Registering is a checkpoint (in a worker thread for a blocking engine); a caller
+        cancelled meanwhile returns once the engine call is over, and the registration it
+        made is deregistered. Leaving the block is shielded and a checkpoint:
+
+        - a buffer no hold is on (:meth:`hold`) is deregistered, a failed attempt retried
+          for ``close_timeout_s`` at most (10 s by default); past that bound it is left to
+          the engine and :class:`~encdisagg.TransferError` is raised (the engine's error is
+          logged), or attached as a note to the error the block raised;
+        - a buffer still held is not waited for (settle the holds that may still settle
+          before leaving the block) but left to the engine at once.
+
+        Memory left to the engine stays registered and alive until the engine closes (for
+        an engine that cannot say when, for the life of the process), and is logged: it is
+        never deregistered or freed under a write that may still land.
+
+        :raises InternalError: if the buffer is registered already.
+        :raises ValueError: for a negative ``close_timeout_s``.
+        """
+        if not close_timeout_s >= 0:
+            raise ValueError(f"close_timeout_s must be >= 0, got {close_timeout_s!r}")
+        if self._registration is not None:
+            raise InternalError(f"{self._what} is registered already")
+        registration = MemoryRegistration(
+            engine, self.ptr, self.nbytes, self._buffer, what=self._what
+        )
+        self._registration = registration
+        failed: BaseException | None = None
+        try:
+            # A caller cancelled while the engine registers returns once the engine did,
+            # the registration it made recorded: the finally below undoes it.
+            await registration.open()
+            yield self
+        except BaseException as exc:
+            failed = exc
+            raise
+        finally:
+            self._registration = None
+            await _close(registration, close_timeout_s, failed)
+
+
 def kv_checksum(chunks: Iterable[torch.Tensor]) -> int:
     """A checksum of the bytes of ``chunks``, in order; never ``0`` (which means "none")."""
     crc = 0
@@ -125,7 +158,7 @@ def kv_checksum(chunks: Iterable[torch.Tensor]) -> int:
     return crc + 1
 
 
-class KVPagePool:
+class KVPagePool(_RegisteredBuffer, PageAllocator):
     """Fixed-size KV pages carved out of one flat tensor.
 
     :param num_pages: how many pages.
@@ -133,7 +166,7 @@ class KVPagePool:
     :param dtype: the element type of the buffer.
     :param device: where the buffer lives.
 
-    Allocation and freeing are synchronous (see :class:`PageAllocator`); a double free raises
+    Allocation and freeing are :class:`PageAllocator`'s (synchronous); a double free raises
     :class:`~encdisagg.InternalError`. Register the buffer with an engine for the pool's
     working life with ``async with pool.registered(engine): ...``, and keep every request that
     uses the pages inside that block, so the pages are deregistered only after their last
@@ -154,45 +187,15 @@ class KVPagePool:
                 f"page_bytes must be a positive multiple of {itemsize} for {dtype}, "
                 f"got {page_bytes}"
             )
-        self._allocator = PageAllocator(num_pages)
+        PageAllocator.__init__(self, num_pages)
         self.page_bytes = page_bytes
         self._page_elems = page_bytes // itemsize
         self.buffer = torch.zeros(num_pages * self._page_elems, dtype=dtype, device=device)
-        self._registered = _Registered(f"KV page pool ({num_pages} x {page_bytes} B)", self.buffer)
-
-    # -- allocation: synchronous ---------------------------------------------------------------
-
-    @property
-    def num_pages(self) -> int:
-        return self._allocator.num_pages
-
-    def available(self) -> int:
-        return self._allocator.available()
-
-    def is_allocated(self, page: int) -> bool:
-        return self._allocator.is_allocated(page)
-
-    def alloc(self, count: int) -> tuple[int, ...] | None:
-        """Take ``count`` pages, or ``None`` (taking none) if fewer are free."""
-        return self._allocator.alloc(count)
-
-    def free(self, pages: Iterable[int]) -> None:
-        """Give ``pages`` back, all or none.
-
-        :raises InternalError: on a double free or an out-of-range page.
-        """
-        self._allocator.free(pages)
+        _RegisteredBuffer.__init__(
+            self, f"KV page pool ({num_pages} x {page_bytes} B)", self.buffer
+        )
 
     # -- addresses and views -------------------------------------------------------------------
-
-    @property
-    def ptr(self) -> int:
-        """The address of page 0."""
-        return int(self.buffer.data_ptr())
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_pages * self.page_bytes
 
     def _check(self, page: int) -> None:
         if not 0 <= page < self.num_pages:
@@ -213,51 +216,6 @@ class KVPagePool:
         """:func:`kv_checksum` of ``pages``, in the order given."""
         return kv_checksum(self.page(page) for page in pages)
 
-    # -- registration --------------------------------------------------------------------------
-
-    @property
-    def registered_with(self) -> TransferEngine | None:
-        """The engine the buffer is registered with by a ``registered`` block, if any."""
-        return self._registered.engine
-
-    @property
-    def registration(self) -> MemoryRegistration | None:
-        """The buffer's registration while a ``registered`` block runs."""
-        return self._registered.registration
-
-    def hold(self, hold: Hold) -> None:
-        """A prefill write may still land in some pages until ``hold`` settles: while the
-        buffer is registered, it is not deregistered before that, and ``hold`` keeps it
-        alive. Not a checkpoint; thread-safe."""
-        self._registered.hold(hold)
-
-    @asynccontextmanager
-    async def registered(
-        self, engine: TransferEngine, *, close_timeout_s: float = CLOSE_TIMEOUT_S
-    ) -> AsyncIterator[KVPagePool]:
-        """Register the whole buffer with ``engine`` for the duration of the block.
-
-        Registering is a checkpoint (in a worker thread for a blocking engine); a caller
-        cancelled meanwhile returns once the engine call is over, and the registration it
-        made is deregistered. Leaving the block is shielded and a checkpoint:
-
-        - a buffer no hold is on (:meth:`hold`) is deregistered, a failed attempt retried
-          for ``close_timeout_s`` at most (10 s by default); past that bound it is left to
-          the engine and :class:`~encdisagg.TransferError` is raised (the engine's error is
-          logged), or attached as a note to the error the block raised;
-        - a buffer still held is not waited for (settle the holds that may still settle
-          before leaving the block) but left to the engine at once.
-
-        Memory left to the engine stays registered and alive until the engine closes (for
-        an engine that cannot say when, for the life of the process), and is logged: it is
-        never deregistered or freed under a write that may still land.
-
-        :raises InternalError: if the pool is registered already.
-        :raises ValueError: for a negative ``close_timeout_s``.
-        """
-        async with self._registered.block(engine, close_timeout_s):
-            yield self
-
 
 #: Column of each field in a metadata row. Rows are 8 int64 words (64 bytes, one cache line,
 #: the granularity RDMA writes land with); the last words are spare.
@@ -265,7 +223,7 @@ _ROOM, _FIRST_TOKEN, _CACHED_TOKENS, _CHECKSUM = 0, 1, 2, 3
 _ROW_WORDS = 8
 
 
-class MetadataSlotTable:
+class MetadataSlotTable(_RegisteredBuffer):
     """The metadata rows the prefill side writes, one per metadata slot.
 
     Each row carries the writer's room tag, the first output token, how many prompt tokens
@@ -285,7 +243,7 @@ class MetadataSlotTable:
         self.size = size
         self.extra_words = extra_words
         self.rows = torch.zeros((size, _ROW_WORDS + extra_words), dtype=torch.int64, device=device)
-        self._registered = _Registered(f"metadata slot table ({size} rows)", self.rows)
+        super().__init__(f"metadata slot table ({size} rows)", self.rows)
 
     @property
     def row_bytes(self) -> int:
@@ -295,14 +253,6 @@ class MetadataSlotTable:
         """A view of ``slot``'s words past the fixed eight (e.g. a draft state), in place."""
         self._check(slot)
         return self.rows[slot, _ROW_WORDS:]
-
-    @property
-    def ptr(self) -> int:
-        return int(self.rows.data_ptr())
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.row_bytes
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.size:
@@ -346,27 +296,6 @@ class MetadataSlotTable:
     def is_zero(self, slot: int) -> bool:
         self._check(slot)
         return not bool(self.rows[slot].any())
-
-    @property
-    def registered_with(self) -> TransferEngine | None:
-        return self._registered.engine
-
-    @property
-    def registration(self) -> MemoryRegistration | None:
-        """The table's registration while a ``registered`` block runs."""
-        return self._registered.registration
-
-    def hold(self, hold: Hold) -> None:
-        """See :meth:`KVPagePool.hold`: a late write may still land in some rows."""
-        self._registered.hold(hold)
-
-    @asynccontextmanager
-    async def registered(
-        self, engine: TransferEngine, *, close_timeout_s: float = CLOSE_TIMEOUT_S
-    ) -> AsyncIterator[MetadataSlotTable]:
-        """Register the table with ``engine`` for the block; see :meth:`KVPagePool.registered`."""
-        async with self._registered.block(engine, close_timeout_s):
-            yield self
 
 
 class PagedKVSink(KVSink):

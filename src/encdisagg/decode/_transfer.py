@@ -142,7 +142,7 @@ class DecodeTransferQueue:
     def deferred(self) -> list[DecodeRequest]:
         """The held requests still waiting for their acks or deadline, oldest first (a
         snapshot; retired ones are in :attr:`retired`)."""
-        return [entry.req for entry in self._entries if entry.retired_at is None]
+        return [entry.req for entry in self.held]
 
     @property
     def held(self) -> tuple[HeldRelease, ...]:
@@ -158,12 +158,12 @@ class DecodeTransferQueue:
     @property
     def held_pages(self) -> int:
         """Pages of the requests in :attr:`deferred`."""
-        return sum(len(entry.req.pages) for entry in self._entries if entry.retired_at is None)
+        return sum(len(entry.req.pages) for entry in self.held)
 
     @property
     def retired_pages(self) -> int:
         """Pages of the retired requests."""
-        return sum(len(e.req.pages) for e in self._entries if e.retired_at is not None)
+        return sum(len(entry.req.pages) for entry in self.retired)
 
     @property
     def held_bytes(self) -> int:
@@ -172,10 +172,7 @@ class DecodeTransferQueue:
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a held request, or ``None`` if none waits for one."""
-        return min(
-            (entry.deadline for entry in self._entries if entry.retired_at is None),
-            default=None,
-        )
+        return min((entry.deadline for entry in self.held), default=None)
 
     # -- decisions -----------------------------------------------------------------------------
 
@@ -231,7 +228,7 @@ class DecodeTransferQueue:
                     status = self._commit(req)
                     if status is CommitStatus.COMMITTED:
                         if req.draft is None:
-                            self._free_slot(req)
+                            self.free_metadata(req)
                         transferred.append(req)
                     elif status is CommitStatus.NOT_READY:
                         survivors.append(req)
@@ -335,10 +332,25 @@ class DecodeTransferQueue:
 
         :return: whether a slot was freed now.
         """
-        had_slot = req.metadata_slot is not None and req.metadata_slot >= 0
         req.draft = None
-        self._free_slot(req)
-        return had_slot
+        slot = req.metadata_slot
+        # A negative index means "no slot", the way some callers spell it.
+        if slot is None or slot < 0:
+            return False
+        # Forget the slot first: whatever happens below, this request never frees it again
+        # (once freed, the index may belong to someone else).
+        req.metadata_slot = None
+        try:
+            self.slots.free(slot)
+        except InternalError:
+            raise
+        except Exception:
+            _log.exception(
+                "zeroing metadata slot %d of request %r failed; the slot is leaked, not reused",
+                slot,
+                req.rid,
+            )
+        return True
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -410,30 +422,10 @@ class DecodeTransferQueue:
             ok = False
             self.release_failures += 1
             _log.exception("releasing KV of request %r raised; not retried", req.rid)
-        req.draft = None
-        self._free_slot(req)
+        self.free_metadata(req)
         if req.generation is not None:
             self.acks.clear(req.room, generation=req.generation)
         return ok
-
-    def _free_slot(self, req: DecodeRequest) -> None:
-        slot = req.metadata_slot
-        # A negative index means "no slot", the way some callers spell it.
-        if slot is None or slot < 0:
-            return
-        # Forget the slot first: whatever happens below, this request never frees it again
-        # (once freed, the index may belong to someone else).
-        req.metadata_slot = None
-        try:
-            self.slots.free(slot)
-        except InternalError:
-            raise
-        except Exception:
-            _log.exception(
-                "zeroing metadata slot %d of request %r failed; the slot is leaked, not reused",
-                slot,
-                req.rid,
-            )
 
 
 def _as_set(rids: Collection[str] | None) -> Collection[str] | None:

@@ -15,6 +15,7 @@
 - The tiny configs and builders, so a pipeline can build the matching tiny language model.
 """
 
+from .._exports import claim_exports
 from ._families._kimi import KimiVisionModel as KimiVisionModel
 from ._families._qwen import QwenVisionModel as QwenVisionModel
 from ._families._qwen3_vl import Qwen3VisionModel as Qwen3VisionModel
@@ -91,8 +92,4 @@ __all__ = (
     "QwenAudioModel",
 )
 
-for _name in __all__:
-    _value = globals()[_name]
-    if callable(_value) or isinstance(_value, type):
-        _value.__module__ = __name__
-del _name, _value
+claim_exports(globals())

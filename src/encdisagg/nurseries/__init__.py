@@ -13,6 +13,7 @@ Free of torch, ZMQ and HTTP; each block is tested on its own, on asyncio and on 
   leaves as that error, cause and traceback intact (:func:`leaf_exceptions` flattens groups).
 """
 
+from .._exports import claim_exports
 from ._clock import loop_checkpoint as loop_checkpoint, loop_clock as loop_clock
 from ._exception_groups import (
     collapse_single_error as collapse_single_error,
@@ -40,6 +41,4 @@ __all__ = (
     "leaf_exceptions",
 )
 
-for _name in __all__:
-    globals()[_name].__module__ = __name__
-del _name
+claim_exports(globals())

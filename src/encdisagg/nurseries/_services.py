@@ -128,25 +128,8 @@ class ServiceTaskGroup(anyio.AsyncContextManagerMixin):
         """
         task_name = _task_name(func, name)
         return await self._require_group().start(
-            self._supervise_started, func, args, task_name, self.policy, name=task_name
+            self._supervise, func, args, task_name, self.policy, name=task_name
         )
-
-    async def _supervise_started(
-        self,
-        func: Callable[..., Awaitable[Any]],
-        args: tuple[object, ...],
-        task_name: str,
-        policy: FailurePolicy,
-        *,
-        task_status: TaskStatus[Any],
-    ) -> None:
-        status = _ForwardedStatus(task_status)
-        try:
-            await func(*args, task_status=status)
-        except Exception as exc:
-            if not status.reported or policy is FailurePolicy.PROPAGATE:
-                raise
-            self._record(task_name, exc)
 
     async def _supervise(
         self,
@@ -154,11 +137,18 @@ class ServiceTaskGroup(anyio.AsyncContextManagerMixin):
         args: tuple[object, ...],
         task_name: str,
         policy: FailurePolicy,
+        *,
+        task_status: TaskStatus[Any] | None = None,
     ) -> None:
+        # Under ``start`` (a ``task_status``), a failure before ``started()`` is the caller's.
+        status = None if task_status is None else _ForwardedStatus(task_status)
         try:
-            await func(*args)
+            if status is None:
+                await func(*args)
+            else:
+                await func(*args, task_status=status)
         except Exception as exc:
-            if policy is FailurePolicy.PROPAGATE:
+            if policy is FailurePolicy.PROPAGATE or (status is not None and not status.reported):
                 raise
             self._record(task_name, exc)
 

@@ -20,18 +20,6 @@ import sniffio
 __all__ = ["ThreadSafeEvent"]
 
 
-def _loop_scheduler() -> Callable[[Callable[[], object]], object]:
-    """The running loop's thread-safe, non-blocking 'call this soon'."""
-    library = sniffio.current_async_library()
-    if library == "trio":
-        import trio
-
-        return trio.lowlevel.current_trio_token().run_sync_soon
-    import asyncio
-
-    return asyncio.get_running_loop().call_soon_threadsafe
-
-
 @final
 class ThreadSafeEvent:
     """A one-shot event: :meth:`set_from_thread` from any thread, :meth:`wait` on the loop.
@@ -45,13 +33,19 @@ class ThreadSafeEvent:
         """:param schedule: the loop's thread-safe call-soon, as :meth:`loop_scheduler`
         gave it on this loop (looked up here when not given)."""
         self._event = anyio.Event()
-        self._schedule = _loop_scheduler() if schedule is None else schedule
+        self._schedule = self.loop_scheduler() if schedule is None else schedule
 
     @staticmethod
     def loop_scheduler() -> Callable[[Callable[[], object]], object]:
         """The running loop's thread-safe, non-blocking call-soon: to look up once and pass
         to many events of this loop. Call it on the loop."""
-        return _loop_scheduler()
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            return trio.lowlevel.current_trio_token().run_sync_soon
+        import asyncio
+
+        return asyncio.get_running_loop().call_soon_threadsafe
 
     def set_from_thread(self) -> None:
         """Set the event soon, from any thread (the loop's own included). Never blocks.

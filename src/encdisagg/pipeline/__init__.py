@@ -9,8 +9,7 @@
 - :func:`serve_asgi`: an ASGI app (the encoder server) served inside a task group.
 """
 
-from types import FunctionType as _FunctionType
-
+from .._exports import claim_exports
 from ._decode import DecodeHandle as DecodeHandle, DecodeWorker as DecodeWorker
 from ._decode_types import (
     DecodePhase as DecodePhase,
@@ -75,8 +74,4 @@ __all__ = (
     "serve_asgi",
 )
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(_obj, (type, _FunctionType)):
-        _obj.__module__ = __name__
-del _name, _obj, _FunctionType
+claim_exports(globals())

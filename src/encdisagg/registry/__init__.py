@@ -11,6 +11,7 @@
 See ``docs/scaling.md`` for the topology and the timings.
 """
 
+from .._exports import claim_exports
 from ._etcd import (
     EtcdClient as EtcdClient,
     KeyValue as KeyValue,
@@ -36,6 +37,4 @@ __all__ = (
     "RegistryUnavailableError",
 )
 
-for _name in __all__:
-    globals()[_name].__module__ = __name__
-del _name
+claim_exports(globals())

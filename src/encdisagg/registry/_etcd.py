@@ -45,7 +45,6 @@ class WatchCompactedError(Exception):
 
     def __init__(self, compact_revision: int) -> None:
         super().__init__(f"revision compacted up to {compact_revision}")
-        self.compact_revision = compact_revision
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,8 +43,7 @@ class RegistryView:
         self.revision = 0
         self.connected = False
         self.malformed = 0
-        #: When (``anyio.current_time()``) each encoder last joined or left the view.
-        self.joined_at: dict[str, float] = {}
+        #: When (``anyio.current_time()``) each encoder last left the view.
         self.left_at: dict[str, float] = {}
         #: Encoders whose last record before they left said they were draining.
         self.drained: set[str] = set()
@@ -90,7 +89,7 @@ class RegistryView:
         for url in self._records.keys() - fresh.keys():
             self._left(url, now)
         for url in fresh.keys() - self._records.keys():
-            self._joined(url, now)
+            self.drained.discard(url)  # back in the view
         self._records = fresh
         self.revision = revision
         self._wake()
@@ -111,7 +110,7 @@ class RegistryView:
                     del self._records[name]
                 continue
             if name not in self._records:
-                self._joined(name, now)
+                self.drained.discard(name)  # back in the view
             self._records[name] = record
         self._wake()
 
@@ -119,10 +118,6 @@ class RegistryView:
         self.left_at[url] = now
         if self._records[url].draining:
             self.drained.add(url)
-
-    def _joined(self, url: str, now: float) -> None:
-        self.joined_at[url] = now
-        self.drained.discard(url)
 
     def set_connected(self, connected: bool) -> None:
         if connected != self.connected:

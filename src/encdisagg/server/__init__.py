@@ -16,8 +16,9 @@ included) before torch and the model code are imported, so a bad value answers a
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._exports import lazy_exports
 
 if TYPE_CHECKING:
     from ._app import (
@@ -79,17 +80,4 @@ _LAZY = {
 
 __all__ = tuple(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'encdisagg.server' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    if isinstance(value, type) or callable(value):
-        value.__module__ = __name__
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY, claim=True)

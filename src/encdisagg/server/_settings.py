@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Final
 
-from .._devices import check_device
+from .._devices import CANONICAL_DTYPES, check_device, check_dtype
 from .._errors import ConfigError
 from ..registry import parse_registry_url
 from ._access import ApiKey, PeerAllowList
@@ -19,30 +19,18 @@ __all__ = ["ServerSettings", "canonical_dtype"]
 #: vLLM's EC connectors this server produces for: shared storage, and the Mooncake push.
 _VLLM_CONNECTORS: Final = ("example", "mooncake")
 
-#: Each accepted dtype spelling -> its ``torch`` attribute name (what vLLM's ``reserve`` and
-#: safetensors' header name).
-_CANONICAL: Final = {
-    "float32": "float32",
-    "float": "float32",
-    "fp32": "float32",
-    "float16": "float16",
-    "half": "float16",
-    "fp16": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-}
+#: The dtype spellings this server writes files in: the floating dtypes but float64.
+_VLLM_DTYPES: Final = tuple(name for name, dtype in CANONICAL_DTYPES.items() if dtype != "float64")
 
 
 def canonical_dtype(name: str) -> str:
     """``name`` (any accepted spelling, ``torch.`` prefix allowed) as a torch attribute
-    name: ``"bf16"`` -> ``"bfloat16"``. Not async.
+    name (what vLLM's ``reserve`` and safetensors' header name): ``"bf16"`` ->
+    ``"bfloat16"``. Not async.
 
     :raises ConfigError: for a name that is no floating dtype this server writes.
     """
-    key = name.strip().lower().removeprefix("torch.")
-    if key not in _CANONICAL:
-        raise ConfigError(f"vllm_dtype must be one of {', '.join(_CANONICAL)}; got {name!r}")
-    return _CANONICAL[key]
+    return check_dtype(name, "vllm_dtype", _VLLM_DTYPES) or name
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,10 +212,7 @@ class ServerSettings:
         budget: object = self.vllm_store_max_bytes
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ConfigError(f"vllm_store_max_bytes must be an integer >= 1; got {budget!r}")
-        if self.vllm_dtype is not None:
-            if not isinstance(self.vllm_dtype, str):
-                raise ConfigError(f"vllm_dtype must be a dtype name; got {self.vllm_dtype!r}")
-            canonical_dtype(self.vllm_dtype)
+        check_dtype(self.vllm_dtype, "vllm_dtype", _VLLM_DTYPES)
         if self.wire == "vllm" and self.vllm_connector == "example" and path is None:
             raise ConfigError(
                 "vllm_storage_path is needed with vllm_connector='example': the folder the PD's "
