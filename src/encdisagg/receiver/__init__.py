@@ -13,8 +13,7 @@
   between them.
 """
 
-from types import FunctionType as _FunctionType
-
+from .._exports import claim_exports
 from ._call_errors import EncoderLeftError as EncoderLeftError
 from ._client import (
     EncoderCallError as EncoderCallError,
@@ -76,9 +75,4 @@ __all__ = (
     "fetch_from_fleet",
 )
 
-for _name in __all__:
-    _obj = globals()[_name]
-    # Classes and functions claim the public module; the type alias has no module of its own.
-    if isinstance(_obj, (type, _FunctionType)):
-        _obj.__module__ = __name__
-del _name, _obj, _FunctionType
+claim_exports(globals())
