@@ -35,8 +35,6 @@ KNOWN_FOLDER_CIRCLES: frozenset[tuple[str, ...]] = frozenset()
 #: Folders over :data:`MOST_FILES` before this rule was written, each with its count then:
 #: it may shrink, not grow. Whoever brings one to :data:`MOST_FILES` or below deletes its line.
 KNOWN_CROWDS: dict[str, int] = {
-    # The Encoder, its batching, delivery and lifecycle.
-    "encoder": 23,
     # Mooncake, ZMQ and SGLang's frames.
     "transfer": 21,
     # The demo pipeline.

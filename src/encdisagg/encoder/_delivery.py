@@ -12,7 +12,7 @@ ZMQ no longer references the payload.
 A transfer that ends with an unknown outcome (the engine raised
 :class:`~encdisagg.TransferTimeoutError`; ZMQ kept the payload after the push gave up)
 leaves a hold on the staged memory before the error leaves here: the record's free then
-waits for that hold (``_held``).
+waits for that hold (``_staging/_held``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from ..transfer import (
 )
 from ..transfer._zmq import ForeignHeader
 from ._jobs import Job
-from ._regions import RegionOwner
-from ._staged import Staged
+from ._staging._regions import RegionOwner
+from ._staging._staged import Staged
 from ._table import Phase, RequestRecord
 from ._types import Destination, MooncakeDestination, SglangZmqDestination, ZmqDestination
 

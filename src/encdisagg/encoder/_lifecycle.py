@@ -36,16 +36,16 @@ from .._errors import (
 )
 from ..models import Preprocessed
 from ..nurseries import KeyedWakeups, ServiceTaskGroup, loop_checkpoint, loop_clock
-from ._budget import StagedBudget
-from ._compute import ComputePath
+from ._compute._path import ComputePath
+from ._compute._traced import ENCODE_SPAN, STAGE_SPAN, encode_attributes, transfer_span
 from ._deadlines import DeadlineKeeper
 from ._delivery import Delivery
 from ._events import EncoderEvents
 from ._jobs import CutShort, Job
-from ._regions import RegionOwner
-from ._staged import Handover
+from ._staging._budget import StagedBudget
+from ._staging._regions import RegionOwner
+from ._staging._staged import Handover
 from ._table import Phase, RequestRecord, RequestTable
-from ._traced import ENCODE_SPAN, STAGE_SPAN, encode_attributes, transfer_span
 from ._types import Destination, EncodeRequest, EncodeResult, ZmqDestination
 
 __all__ = ["RequestLifecycle"]

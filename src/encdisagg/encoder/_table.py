@@ -45,8 +45,8 @@ class Phase(enum.Enum):
 class RequestRecord:
     """One live request. Mutated only on the event loop, in code that does not await.
 
-    ``staged`` is whatever owns the staged embedding (see ``_staging``); the record owns it
-    until :meth:`RequestTable.retire`.
+    ``staged`` is whatever owns the staged embedding (a ``Staged``, see ``_staging/``); the
+    record owns it until :meth:`RequestTable.retire`.
     """
 
     request: EncodeRequest

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import anyio
 import torch
 
-from ..transfer import Hold, MemoryRegistration, MemoryRegistrationState
+from ...transfer import Hold, MemoryRegistration, MemoryRegistrationState
 from ._arena import StagingArena
 
 __all__ = ["Handover", "Staged", "ThreadSafeCounter"]

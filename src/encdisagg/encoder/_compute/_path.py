@@ -13,32 +13,27 @@ from collections.abc import Callable, Sequence
 import anyio
 import torch
 
-from .. import _tracing
-from .._config import EncoderConfig
-from .._errors import (
+from ... import _tracing
+from ..._config import EncoderConfig
+from ..._errors import (
     BadRequestError,
     EncdisaggError,
     InternalError,
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from .._modality import Modality
-from ..cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin
-from ..models import ModelOptions, Preprocessed, VisionModel
-from ..nurseries import run_thread_to_completion
+from ..._modality import Modality
+from ...cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin
+from ...models import ModelOptions, Preprocessed, VisionModel
+from ...nurseries import run_thread_to_completion
+from .._events import EncoderEvents
+from .._types import EncodeRequest
 from ._batcher import Batcher, ForwardJob, check_token_count
 from ._cache import PrefixCache
-from ._events import EncoderEvents
 from ._flights import SharedEncodes
-from ._inputs import (
-    item_subset,
-    limited_preprocess,
-    media_limits as media_limits,
-    preprocess_failure,
-)
+from ._inputs import item_subset, limited_preprocess, media_limits, preprocess_failure
 from ._queued import QueuedHolding, QueuedInputs, feature_bytes
 from ._traced import FORWARD_SPAN, PREPROCESS_SPAN, record_batched
-from ._types import EncodeRequest
 
 __all__ = ["ComputePath"]
 

@@ -7,7 +7,7 @@ Who owns what, at every instant:
   buffer: staging into it spares each request an allocation and its free);
 - a request's own registration (arena absent or full) belongs to the request's record
   while the record lives, and moves to this owner's task when the record is freed, which
-  happens only once no job of the request can touch it (``_table``). From then on only the
+  happens only once no job of the request can touch it (``encoder/_table``). From then on only the
   owner task calls ``deregister`` on it, retrying failures with backoff; the memory stays
   alive and counted as staged until a deregistration really returned;
 - a per-send registration (the request's own registration failed) lives inside one
@@ -38,11 +38,11 @@ import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._config import EncoderConfig
-from .._errors import TransferError, TransferTimeoutError
-from ..models._protocol import ModelOptions
-from ..nurseries import run_thread_to_completion
-from ..transfer import EngineOptions, Hold, MemoryRegistration, TransferEngine
+from ..._config import EncoderConfig
+from ..._errors import TransferError, TransferTimeoutError
+from ...models._protocol import ModelOptions
+from ...nurseries import run_thread_to_completion
+from ...transfer import EngineOptions, Hold, MemoryRegistration, TransferEngine
 from ._arena import StagingArena
 from ._budget import StagedBudget
 from ._held import HeldStaging

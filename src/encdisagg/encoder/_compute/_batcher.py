@@ -12,14 +12,14 @@ import anyio.abc
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._errors import (
+from ..._errors import (
     EncdisaggError,
     InternalError,
     ServiceUnavailableError,
 )
-from .._modality import Modality
-from ..models import Preprocessed, VisionModel
-from ..nurseries import run_thread_to_completion
+from ..._modality import Modality
+from ...models import Preprocessed, VisionModel
+from ...nurseries import run_thread_to_completion
 
 __all__ = ["Batcher", "ForwardJob", "check_token_count"]
 
