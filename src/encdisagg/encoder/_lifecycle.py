@@ -64,6 +64,14 @@ def _error_copy(error: EncdisaggError) -> EncdisaggError:
     return copy
 
 
+def _check_receive_count(req_id: str, receive_count: object) -> None:
+    # bool is an int subclass; a JSON `true` must not pass as `1`.
+    if isinstance(receive_count, bool) or not isinstance(receive_count, int) or receive_count < 1:
+        raise BadRequestError(
+            f"receive_count must be a positive integer; got {receive_count!r}", req_id=req_id
+        )
+
+
 def _released(req_id: str) -> RequestNotActiveError:
     return RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
 
@@ -166,12 +174,7 @@ class RequestLifecycle:
         if receive_count is None:
             return
         req_id = record.req_id
-        if isinstance(receive_count, bool) or not isinstance(receive_count, int):
-            raise BadRequestError("receive_count must be an integer", req_id=req_id)
-        if receive_count < 1:
-            raise BadRequestError(
-                f"receive_count must be at least 1; got {receive_count}", req_id=req_id
-            )
+        _check_receive_count(req_id, receive_count)
         if record.receive_count is not None and record.receive_count != receive_count:
             raise BadRequestError(
                 f"receive_count {receive_count} differs from the {record.receive_count} "
@@ -373,14 +376,7 @@ class RequestLifecycle:
         if not isinstance(urls, (list, tuple)) or not urls:
             raise BadRequestError("receive_url must be a non-empty list of URLs", req_id=req_id)
         destinations = [ZmqDestination(url) for url in urls]
-        if (
-            isinstance(receive_count, bool)
-            or not isinstance(receive_count, int)
-            or receive_count < 1
-        ):
-            raise BadRequestError(
-                f"receive_count must be a positive integer; got {receive_count!r}", req_id=req_id
-            )
+        _check_receive_count(req_id, receive_count)
         record = await self._wait_live(req_id)
         if record.release_requested:
             raise RequestNotActiveError(f"req_id {req_id!r} is being released", req_id=req_id)

@@ -108,10 +108,6 @@ class Handover:
         return self.registration.state is MemoryRegistrationState.DEREGISTERED
 
     @property
-    def nbytes(self) -> int:
-        return self.registration.nbytes
-
-    @property
     def ptr(self) -> int:
         return self.registration.ptr
 
