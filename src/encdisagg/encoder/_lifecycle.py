@@ -45,7 +45,7 @@ from ._jobs import CutShort, Job
 from ._staging._budget import StagedBudget
 from ._staging._regions import RegionOwner
 from ._staging._staged import Handover
-from ._table import Phase, RequestRecord, RequestTable
+from ._table import Phase, RequestRecord, RequestTable, released
 from ._types import Destination, EncodeRequest, EncodeResult, ZmqDestination
 
 __all__ = ["RequestLifecycle"]
@@ -70,10 +70,6 @@ def _check_receive_count(req_id: str, receive_count: object) -> None:
         raise BadRequestError(
             f"receive_count must be a positive integer; got {receive_count!r}", req_id=req_id
         )
-
-
-def _released(req_id: str) -> RequestNotActiveError:
-    return RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
 
 
 class RequestLifecycle:
@@ -291,7 +287,7 @@ class RequestLifecycle:
                     f"{self.config.send_timeout_s} and was released",
                     req_id=req_id,
                 ) from None
-            raise _released(req_id) from None
+            raise released(req_id) from None
         except Exception:
             # A failed send released the request: the caller sees it gone.
             await self.settle(record)
@@ -309,10 +305,10 @@ class RequestLifecycle:
         if record.phase is not Phase.STAGED:
             if record.error is not None:
                 raise _error_copy(record.error)
-            raise _released(record.req_id)
+            raise released(record.req_id)
         identity = destination.identity
         if record.release_requested and identity not in record.delivered:
-            raise _released(record.req_id)
+            raise released(record.req_id)
         start = self._now() if self._events.on_phase is not None else 0.0
         self.inflight += 1
         try:
@@ -395,7 +391,7 @@ class RequestLifecycle:
         def live() -> RequestRecord | None:
             record = self.table.get(req_id)
             if record is None and self.table.ended(req_id):
-                raise _released(req_id)
+                raise released(req_id)
             return record
 
         return await self._wait_for(req_id, live, "req_id {req_id!r} did not appear within")
@@ -409,11 +405,11 @@ class RequestLifecycle:
                 if record.error is not None:
                     raise _error_copy(record.error)
                 if record.phase is Phase.ABORTED and record.metadata is None:
-                    raise _released(req_id)
+                    raise released(req_id)
                 return record.metadata
             if self.table.ended(req_id):
                 error = self.table.ended_error(req_id)
-                raise _released(req_id) if error is None else _error_copy(error)
+                raise released(req_id) if error is None else _error_copy(error)
             return None
 
         return await self._wait_for(req_id, published, "no metadata for req_id {req_id!r} within")

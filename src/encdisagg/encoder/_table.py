@@ -23,7 +23,12 @@ from typing import Any, Final, NamedTuple, Protocol
 from .._errors import EncdisaggError, NotFoundError, RequestNotActiveError
 from ._types import EncodeRequest, EncodeResult
 
-__all__ = ["Cancellable", "Phase", "RequestRecord", "RequestTable"]
+__all__ = ["Cancellable", "Phase", "RequestRecord", "RequestTable", "released"]
+
+
+def released(req_id: str) -> RequestNotActiveError:
+    """What a call about ``req_id`` raises once its lifecycle ended."""
+    return RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
 
 
 class Cancellable(Protocol):
@@ -264,7 +269,7 @@ class RequestTable:
         record = self.live.get(req_id)
         if record is None:
             if self.ended(req_id):
-                raise RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
+                raise released(req_id)
             raise NotFoundError(f"req_id {req_id!r} is unknown", req_id=req_id)
         if record.release_requested:
             raise RequestNotActiveError(f"req_id {req_id!r} is being released", req_id=req_id)
@@ -290,8 +295,7 @@ class RequestTable:
 
     def _remember(self, req_id: str, error: EncdisaggError | None) -> None:
         retired = self._retired
-        if req_id in retired:
-            self._forget_retired(req_id)
+        self._forget_retired(req_id)
         error = _detached(error)
         cost = _cost(req_id, error)
         if cost > self._byte_limit:

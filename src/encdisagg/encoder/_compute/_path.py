@@ -130,9 +130,23 @@ class ComputePath:
         trace: _tracing.Trace | None,
         digests: Sequence[str] | None,
     ) -> tuple[torch.Tensor, Preprocessed, bool]:
+        """One request's own work; its queued-input bytes are given back when it ends."""
         holding = QueuedHolding(self.queued)
         try:
-            return await self._run(request, on_preprocessed, holding, trace, digests)
+            # The global tier keeps rows and grids but not a video's timing (it comes from
+            # the request's fps as the frames are preprocessed): a video goes past it.
+            if self._global is not None and request.kind is not Modality.VIDEO:
+                rows, pre = await self._encode_items(request, holding, trace, digests)
+                on_preprocessed(pre)
+                return rows, pre, False
+            pre = await self.preprocess(request, holding=holding, trace=trace)
+            on_preprocessed(pre)
+            cached = self._cache_lookup(request.req_id, pre)
+            if cached is not None:
+                return cached, pre, True
+            (output,) = await self.forward(request, [pre], holding, trace)
+            self._cache_insert(pre, output)
+            return output, pre, False
         finally:
             holding.release()
 
@@ -159,29 +173,6 @@ class ComputePath:
             raise BadRequestError(
                 f"req_id {request.req_id!r}: {exc.message}", req_id=request.req_id
             ) from None
-
-    async def _run(
-        self,
-        request: EncodeRequest,
-        on_preprocessed: OnPreprocessed,
-        holding: QueuedHolding,
-        trace: _tracing.Trace | None,
-        digests: Sequence[str] | None,
-    ) -> tuple[torch.Tensor, Preprocessed, bool]:
-        # The global tier keeps rows and grids but not a video's timing (it comes from the
-        # request's fps as the frames are preprocessed): a video goes past it.
-        if self._global is not None and request.kind is not Modality.VIDEO:
-            rows, pre = await self._encode_items(request, holding, trace, digests)
-            on_preprocessed(pre)
-            return rows, pre, False
-        pre = await self.preprocess(request, holding=holding, trace=trace)
-        on_preprocessed(pre)
-        cached = self._cache_lookup(request.req_id, pre)
-        if cached is not None:
-            return cached, pre, True
-        (output,) = await self.forward(request, [pre], holding, trace)
-        self._cache_insert(pre, output)
-        return output, pre, False
 
     async def preprocess(
         self,
