@@ -18,22 +18,6 @@ PACKAGE = SRC.name
 #: Most ``.py`` files a folder under the package may hold.
 MOST_FILES = 15
 
-#: Circles present before this rule was written, each as its sorted modules. A circle listed
-#: here is tolerated, not wanted: whoever breaks one deletes its line.
-KNOWN_CIRCLES: frozenset[tuple[str, ...]] = frozenset()
-
-#: Circles among folders (each module collapsed to its folder at one depth) present before this
-#: rule was written, each as its sorted members. Tolerated until fixed; whoever breaks one
-#: deletes its line.
-KNOWN_FOLDER_CIRCLES: frozenset[tuple[str, ...]] = frozenset()
-
-#: Folders over :data:`MOST_FILES` before this rule was written, each with its count then:
-#: it may shrink, not grow. Whoever brings one to :data:`MOST_FILES` or below deletes its line.
-KNOWN_CROWDS: dict[str, int] = {
-    # The Encoder, its batching, delivery and lifecycle.
-    "encoder": 23,
-}
-
 
 def _module_name(path: Path) -> str:
     parts = [PACKAGE, *path.relative_to(SRC).with_suffix("").parts]
@@ -133,18 +117,9 @@ def test_circles_are_found() -> None:
     assert _circles(graph) == [("a", "b", "c")]
 
 
-def test_no_new_import_circle() -> None:
-    circles = set(_circles(_graph()))
-    new = sorted(circles - KNOWN_CIRCLES)
-    assert not new, "import circles: " + "; ".join(" <-> ".join(circle) for circle in new)
-    gone = sorted(KNOWN_CIRCLES - circles)
-    assert not gone, f"broken circles still listed in KNOWN_CIRCLES: {gone}"
-
-
-def test_no_circle_in_the_server() -> None:
+def test_no_import_circle() -> None:
     circles = _circles(_graph())
-    server = "encdisagg.server"
-    assert not [circle for circle in circles if any(name.startswith(server) for name in circle)]
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
 def _prefix(module: str, depth: int) -> str:
@@ -165,7 +140,7 @@ def _collapsed(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
 def _folder_circles(graph: dict[str, set[str]]) -> dict[tuple[str, ...], list[str]]:
     """Each circle among folders, at every depth, with the module arrows that close it.
 
-    A circle of plain modules, no folder among them, is :func:`test_no_new_import_circle`'s.
+    A circle of plain modules, no folder among them, is :func:`test_no_import_circle`'s.
     """
     folders = {module.rpartition(".")[0] for module in graph}
     found: dict[tuple[str, ...], list[str]] = {}
@@ -199,20 +174,11 @@ def test_folder_circles_are_found() -> None:
 
 def test_no_circle_among_folders() -> None:
     circles = _folder_circles(_graph())
-    new = {
-        circle: arrows for circle, arrows in circles.items() if circle not in KNOWN_FOLDER_CIRCLES
-    }
-    assert not new, "circles among folders, closed by: " + "; ".join(
-        f"{' <-> '.join(circle)} ({', '.join(arrows)})" for circle, arrows in sorted(new.items())
-    )
-    gone = sorted(KNOWN_FOLDER_CIRCLES - set(circles))
-    assert not gone, f"broken circles still listed in KNOWN_FOLDER_CIRCLES: {gone}"
+    closed = [f"{' <-> '.join(c)} ({', '.join(arrows)})" for c, arrows in sorted(circles.items())]
+    assert not closed, "circles among folders, closed by: " + "; ".join(closed)
 
 
 def test_no_folder_is_crowded() -> None:
     counts = Counter(path.parent.relative_to(SRC).as_posix() for path in SRC.rglob("*.py"))
     crowded = {folder: count for folder, count in counts.items() if count > MOST_FILES}
-    for folder, count in crowded.items():
-        assert count <= KNOWN_CROWDS.get(folder, MOST_FILES), f"{folder}/ holds {count} files"
-    gone = sorted(set(KNOWN_CROWDS) - set(crowded))
-    assert not gone, f"folders back under {MOST_FILES} still listed in KNOWN_CROWDS: {gone}"
+    assert not crowded, f"folders over {MOST_FILES} files: {crowded}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from encdisagg.encoder._arena import BuddyAllocator, StagingArena
+from encdisagg.encoder._staging._arena import BuddyAllocator, StagingArena
 
 from .._device import chosen_device
 

@@ -19,9 +19,9 @@ from encdisagg import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from encdisagg.encoder._batcher import Batcher, ForwardJob
+from encdisagg.encoder._compute._batcher import Batcher, ForwardJob
+from encdisagg.encoder._compute._queued import QueuedInputs, feature_bytes
 from encdisagg.encoder._deadlines import DeadlineKeeper
-from encdisagg.encoder._queued import QueuedInputs, feature_bytes
 from encdisagg.models import Preprocessed
 
 from .fakes import ScriptedModel

@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from encdisagg import Modality, ServiceUnavailableError
-from encdisagg.encoder._batcher import Batcher, ForwardJob
+from encdisagg.encoder._compute._batcher import Batcher, ForwardJob
 
 from .fakes import ScriptedModel
 

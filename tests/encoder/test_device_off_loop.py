@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from encdisagg import Encoder, EncoderConfig
-from encdisagg.encoder import _regions
+from encdisagg.encoder._staging import _regions
 from encdisagg.models import NullVisionModel
 from encdisagg.transfer import LoopbackEngine, LoopbackFabric
 

@@ -24,7 +24,7 @@ from encdisagg import (
     ZmqDestination,
 )
 from encdisagg.encoder import EncoderEvents
-from encdisagg.encoder._flights import Flight, FlightTable, flight_key
+from encdisagg.encoder._compute._flights import Flight, FlightTable, flight_key
 from encdisagg.models import Preprocessed, load_model
 from encdisagg.transfer import ZmqReceiver
 

@@ -199,7 +199,7 @@ async def test_a_copy_that_fails_while_staging_gives_its_bytes_back(
 ) -> None:
     # Finding 11: a staging copy that failed (out of memory) kept its reserved bytes, so
     # under staged_memory_limit_mb the encoder ended up refusing every request (503).
-    from encdisagg.encoder._arena import StagingArena
+    from encdisagg.encoder._staging._arena import StagingArena
 
     real_stage = StagingArena.stage
     failures = [RuntimeError("CUDA out of memory (simulated)")]

@@ -226,7 +226,7 @@ class TestLimits:
 
     def test_the_config_fields_reach_preprocess(self) -> None:
         from encdisagg import EncoderConfig
-        from encdisagg.encoder._compute import media_limits
+        from encdisagg.encoder._compute._inputs import media_limits
 
         config = EncoderConfig(
             max_audio_seconds=4.0, max_audio_sample_rate=48_000, max_request_audio_seconds=60.0

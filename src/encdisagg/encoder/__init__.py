@@ -1,6 +1,6 @@
 """The Encoder: request lifecycle, batching, caching, staging and delivery."""
 
-from ._cache import PrefixCache as PrefixCache
+from ._compute._cache import PrefixCache as PrefixCache
 from ._encoder import Encoder as Encoder, EncoderEvents as EncoderEvents
 from ._types import (
     Destination as Destination,

@@ -12,7 +12,7 @@ ZMQ no longer references the payload.
 A transfer that ends with an unknown outcome (the engine raised
 :class:`~encdisagg.TransferTimeoutError`; ZMQ kept the payload after the push gave up)
 leaves a hold on the staged memory before the error leaves here: the record's free then
-waits for that hold (``_held``).
+waits for that hold (``_staging/_held``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from ..transfer import (
 )
 from ..transfer._wire import ForeignHeader
 from ._jobs import Job
-from ._regions import RegionOwner
-from ._staged import Staged
+from ._staging._regions import RegionOwner
+from ._staging._staged import Staged
 from ._table import Phase, RequestRecord
 from ._types import Destination, MooncakeDestination, SglangZmqDestination, ZmqDestination
 
@@ -108,7 +108,9 @@ class Delivery:
                 record.fallback_lock = anyio.Lock()
             with job.waiting():
                 async with record.fallback_lock:
-                    if _needs_own_registration(staged):
+                    # Read again under the lock: the send before may have left a
+                    # registration behind.
+                    if not staged.transferable:
                         await regions.call(
                             regions.write_with_own_registration,
                             staged,
@@ -190,36 +192,23 @@ def _hold_of(error: TransferTimeoutError, req_id: str, staged: Staged) -> Hold:
     return Hold(f"req_id {req_id!r}: {staged.nbytes} bytes at {staged.ptr:#x}", staged.nbytes)
 
 
-def _needs_own_registration(staged: Staged) -> bool:
-    # Read again under the lock: the send before may have left a registration behind.
-    return not staged.transferable
-
-
 def _header(record: RequestRecord, layout: EmbeddingLayout | None = None) -> EmbeddingHeader:
     """The push header: the embedding's layout, or an error part (no payload)."""
     request = record.request
     error = record.error if record.phase is Phase.FAILED else None
-    shape: tuple[int, int] = (0, 0)
-    dtype = "float16"
-    token_counts: tuple[int, ...] = ()
-    grid: tuple[tuple[int, ...], ...] = ()
-    video_timing = None
-    if error is None:
-        result = record.metadata
-        assert result is not None
-        shape = (result.num_tokens, result.hidden_size)
-        dtype, token_counts, grid = result.dtype, result.token_counts, result.grid
-        video_timing = result.video_timing
+    # An error part describes no embedding, even when its metadata was published.
+    result = record.metadata if error is None else None
+    assert error is not None or result is not None
     return EmbeddingHeader(
         req_id=record.req_id,
         num_parts=request.num_parts,
         part_idx=request.part_idx,
         modality=request.kind.value,
-        shape=shape,
-        dtype=dtype,
-        token_counts=token_counts,
-        grid=grid,
-        video_timing=video_timing,
+        shape=(0, 0) if result is None else (result.num_tokens, result.hidden_size),
+        dtype="float16" if result is None else result.dtype,
+        token_counts=() if result is None else result.token_counts,
+        grid=() if result is None else result.grid,
+        video_timing=None if result is None else result.video_timing,
         error=None if error is None else error.message,
         status=None if error is None else error.status,
         layout=layout if error is None else None,

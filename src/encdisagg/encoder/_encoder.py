@@ -1,8 +1,8 @@
 """The Encoder: the public face of the request lifecycle (ownership: docs/architecture.md).
 
 This module wires the rooms together and carries the public contract: ``_table`` decides
-what a request may do, ``_lifecycle`` runs its jobs, ``_compute`` and ``_delivery`` do the
-work, ``_regions`` owns the memory and every engine registration.
+what a request may do, ``_lifecycle`` runs its jobs, ``_compute/`` and ``_delivery`` do the
+work, ``_staging/_regions`` owns the memory and every engine registration.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from ..cache import GlobalCache, GlobalCacheStats
 from ..models import ModelOptions, VisionModel
 from ..nurseries import ServiceTaskGroup, collapse_single_error
 from ..transfer import TransferEngine, ZmqPushPool
-from ._batcher import Batcher
-from ._budget import StagedBudget
-from ._cache import PrefixCache
-from ._compute import ComputePath
+from ._compute._batcher import Batcher
+from ._compute._cache import PrefixCache
+from ._compute._path import ComputePath
 from ._delivery import Delivery
 from ._events import EncoderEvents
 from ._lifecycle import RequestLifecycle
 from ._parts import global_cache_settings, load_configured_model, open_engine, open_global_cache
-from ._regions import RegionOwner
 from ._shutdown import drain
+from ._staging._budget import StagedBudget
+from ._staging._regions import RegionOwner
 from ._types import (
     Destination,
     EncodeRequest,

@@ -36,16 +36,16 @@ from .._errors import (
 )
 from ..models import Preprocessed
 from ..nurseries import KeyedWakeups, ServiceTaskGroup, loop_checkpoint, loop_clock
-from ._budget import StagedBudget
-from ._compute import ComputePath
+from ._compute._path import ComputePath
+from ._compute._traced import ENCODE_SPAN, STAGE_SPAN, encode_attributes, transfer_span
 from ._deadlines import DeadlineKeeper
 from ._delivery import Delivery
 from ._events import EncoderEvents
 from ._jobs import CutShort, Job
-from ._regions import RegionOwner
-from ._staged import Handover
-from ._table import Phase, RequestRecord, RequestTable
-from ._traced import ENCODE_SPAN, STAGE_SPAN, encode_attributes, transfer_span
+from ._staging._budget import StagedBudget
+from ._staging._regions import RegionOwner
+from ._staging._staged import Handover
+from ._table import Phase, RequestRecord, RequestTable, released
 from ._types import Destination, EncodeRequest, EncodeResult, ZmqDestination
 
 __all__ = ["RequestLifecycle"]
@@ -64,8 +64,12 @@ def _error_copy(error: EncdisaggError) -> EncdisaggError:
     return copy
 
 
-def _released(req_id: str) -> RequestNotActiveError:
-    return RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
+def _check_receive_count(req_id: str, receive_count: object) -> None:
+    # bool is an int subclass; a JSON `true` must not pass as `1`.
+    if isinstance(receive_count, bool) or not isinstance(receive_count, int) or receive_count < 1:
+        raise BadRequestError(
+            f"receive_count must be a positive integer; got {receive_count!r}", req_id=req_id
+        )
 
 
 class RequestLifecycle:
@@ -166,12 +170,7 @@ class RequestLifecycle:
         if receive_count is None:
             return
         req_id = record.req_id
-        if isinstance(receive_count, bool) or not isinstance(receive_count, int):
-            raise BadRequestError("receive_count must be an integer", req_id=req_id)
-        if receive_count < 1:
-            raise BadRequestError(
-                f"receive_count must be at least 1; got {receive_count}", req_id=req_id
-            )
+        _check_receive_count(req_id, receive_count)
         if record.receive_count is not None and record.receive_count != receive_count:
             raise BadRequestError(
                 f"receive_count {receive_count} differs from the {record.receive_count} "
@@ -288,7 +287,7 @@ class RequestLifecycle:
                     f"{self.config.send_timeout_s} and was released",
                     req_id=req_id,
                 ) from None
-            raise _released(req_id) from None
+            raise released(req_id) from None
         except Exception:
             # A failed send released the request: the caller sees it gone.
             await self.settle(record)
@@ -306,10 +305,10 @@ class RequestLifecycle:
         if record.phase is not Phase.STAGED:
             if record.error is not None:
                 raise _error_copy(record.error)
-            raise _released(record.req_id)
+            raise released(record.req_id)
         identity = destination.identity
         if record.release_requested and identity not in record.delivered:
-            raise _released(record.req_id)
+            raise released(record.req_id)
         start = self._now() if self._events.on_phase is not None else 0.0
         self.inflight += 1
         try:
@@ -373,14 +372,7 @@ class RequestLifecycle:
         if not isinstance(urls, (list, tuple)) or not urls:
             raise BadRequestError("receive_url must be a non-empty list of URLs", req_id=req_id)
         destinations = [ZmqDestination(url) for url in urls]
-        if (
-            isinstance(receive_count, bool)
-            or not isinstance(receive_count, int)
-            or receive_count < 1
-        ):
-            raise BadRequestError(
-                f"receive_count must be a positive integer; got {receive_count!r}", req_id=req_id
-            )
+        _check_receive_count(req_id, receive_count)
         record = await self._wait_live(req_id)
         if record.release_requested:
             raise RequestNotActiveError(f"req_id {req_id!r} is being released", req_id=req_id)
@@ -399,7 +391,7 @@ class RequestLifecycle:
         def live() -> RequestRecord | None:
             record = self.table.get(req_id)
             if record is None and self.table.ended(req_id):
-                raise _released(req_id)
+                raise released(req_id)
             return record
 
         return await self._wait_for(req_id, live, "req_id {req_id!r} did not appear within")
@@ -413,11 +405,11 @@ class RequestLifecycle:
                 if record.error is not None:
                     raise _error_copy(record.error)
                 if record.phase is Phase.ABORTED and record.metadata is None:
-                    raise _released(req_id)
+                    raise released(req_id)
                 return record.metadata
             if self.table.ended(req_id):
                 error = self.table.ended_error(req_id)
-                raise _released(req_id) if error is None else _error_copy(error)
+                raise released(req_id) if error is None else _error_copy(error)
             return None
 
         return await self._wait_for(req_id, published, "no metadata for req_id {req_id!r} within")

@@ -16,14 +16,19 @@ import enum
 import math
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, Protocol
 
 from .._errors import EncdisaggError, NotFoundError, RequestNotActiveError
 from ._types import EncodeRequest, EncodeResult
 
-__all__ = ["Cancellable", "Phase", "RequestRecord", "RequestTable"]
+__all__ = ["Cancellable", "Phase", "RequestRecord", "RequestTable", "released"]
+
+
+def released(req_id: str) -> RequestNotActiveError:
+    """What a call about ``req_id`` raises once its lifecycle ended."""
+    return RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
 
 
 class Cancellable(Protocol):
@@ -45,8 +50,8 @@ class Phase(enum.Enum):
 class RequestRecord:
     """One live request. Mutated only on the event loop, in code that does not await.
 
-    ``staged`` is whatever owns the staged embedding (see ``_staging``); the record owns it
-    until :meth:`RequestTable.retire`.
+    ``staged`` is whatever owns the staged embedding (a ``Staged``, see ``_staging/``); the
+    record owns it until :meth:`RequestTable.retire`.
     """
 
     request: EncodeRequest
@@ -216,28 +221,22 @@ class RequestTable:
     def get(self, req_id: str) -> RequestRecord | None:
         return self.live.get(req_id)
 
+    def _full(self, remembered: Sized, nbytes: int) -> bool:
+        return len(remembered) > self._limit or nbytes > self._byte_limit
+
     def _prune(self) -> None:
+        """Forget the oldest ended and abandoned ids while they expired or pass a limit."""
         now = self._clock()
-        retired = self._retired
-        while retired:
-            key, entry = next(iter(retired.items()))
-            if (
-                entry.expires_at > now
-                and len(retired) <= self._limit
-                and self._retired_bytes <= self._byte_limit
-            ):
-                break
-            self._forget_retired(key)
-        abandoned = self._abandoned
-        while abandoned:
-            key, expires_at = next(iter(abandoned.items()))
-            if (
-                expires_at > now
-                and len(abandoned) <= self._limit
-                and self._abandoned_bytes <= self._byte_limit
-            ):
-                break
-            self._forget_abandoned(key)
+        retired, abandoned = self._retired, self._abandoned
+        while retired and (
+            next(iter(retired.values())).expires_at <= now
+            or self._full(retired, self._retired_bytes)
+        ):
+            self._forget_retired(next(iter(retired)))
+        while abandoned and (
+            next(iter(abandoned.values())) <= now or self._full(abandoned, self._abandoned_bytes)
+        ):
+            self._forget_abandoned(next(iter(abandoned)))
 
     def admit(self, request: EncodeRequest) -> RequestRecord:
         """Start a fresh lifecycle for ``request.req_id``.
@@ -270,7 +269,7 @@ class RequestTable:
         record = self.live.get(req_id)
         if record is None:
             if self.ended(req_id):
-                raise RequestNotActiveError(f"req_id {req_id!r} was released", req_id=req_id)
+                raise released(req_id)
             raise NotFoundError(f"req_id {req_id!r} is unknown", req_id=req_id)
         if record.release_requested:
             raise RequestNotActiveError(f"req_id {req_id!r} is being released", req_id=req_id)
@@ -296,15 +295,14 @@ class RequestTable:
 
     def _remember(self, req_id: str, error: EncdisaggError | None) -> None:
         retired = self._retired
-        if req_id in retired:
-            self._forget_retired(req_id)
+        self._forget_retired(req_id)
         error = _detached(error)
         cost = _cost(req_id, error)
         if cost > self._byte_limit:
             return
         retired[req_id] = _Retired(self._clock() + self._remember_s, error, cost)
         self._retired_bytes += cost
-        while len(retired) > self._limit or self._retired_bytes > self._byte_limit:
+        while self._full(retired, self._retired_bytes):
             # Full: the oldest go (entries are in expiry order, all with one lifetime).
             self._forget_retired(next(iter(retired)))
 
@@ -325,7 +323,7 @@ class RequestTable:
         if cost <= self._byte_limit:
             self._abandoned[req_id] = self._clock() + self._abandon_ttl_s
             self._abandoned_bytes += cost
-            if len(self._abandoned) > self._limit or self._abandoned_bytes > self._byte_limit:
+            if self._full(self._abandoned, self._abandoned_bytes):
                 self._prune()
         return None
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import anyio
 import torch
 
-from ..transfer import Hold, MemoryRegistration, MemoryRegistrationState
+from ...transfer import Hold, MemoryRegistration, MemoryRegistrationState
 from ._arena import StagingArena
 
 __all__ = ["Handover", "Staged", "ThreadSafeCounter"]
@@ -106,10 +106,6 @@ class Handover:
     @property
     def deregistered(self) -> bool:
         return self.registration.state is MemoryRegistrationState.DEREGISTERED
-
-    @property
-    def nbytes(self) -> int:
-        return self.registration.nbytes
 
     @property
     def ptr(self) -> int:

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
-from .. import _tracing
+from ... import _tracing
+from .._types import Destination, EncodeRequest, MooncakeDestination
 from ._batcher import ForwardJob
-from ._types import Destination, EncodeRequest, MooncakeDestination
 
 __all__ = [
     "ENCODE_SPAN",

@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Final
 import anyio
 import torch
 
-from .._errors import EncdisaggError, InternalError, ServiceUnavailableError
-from ..cache import content_digest
-from ..models import Preprocessed
-from ..nurseries import run_thread_to_completion
+from ..._errors import EncdisaggError, InternalError, ServiceUnavailableError
+from ...cache import content_digest
+from ...models import Preprocessed
+from ...nurseries import run_thread_to_completion
 
 if TYPE_CHECKING:
-    from .. import _tracing
-    from ..nurseries import ServiceTaskGroup
-    from ._events import EncoderEvents
-    from ._types import EncodeRequest
+    from ... import _tracing
+    from ...nurseries import ServiceTaskGroup
+    from .._events import EncoderEvents
+    from .._types import EncodeRequest
 
 __all__ = ["Flight", "FlightKey", "FlightSignals", "FlightTable", "SharedEncodes", "flight_key"]
 

@@ -7,7 +7,7 @@ Who owns what, at every instant:
   buffer: staging into it spares each request an allocation and its free);
 - a request's own registration (arena absent or full) belongs to the request's record
   while the record lives, and moves to this owner's task when the record is freed, which
-  happens only once no job of the request can touch it (``_table``). From then on only the
+  happens only once no job of the request can touch it (``encoder/_table``). From then on only the
   owner task calls ``deregister`` on it, retrying failures with backoff; the memory stays
   alive and counted as staged until a deregistration really returned;
 - a per-send registration (the request's own registration failed) lives inside one
@@ -38,11 +38,11 @@ import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._config import EncoderConfig
-from .._errors import TransferError, TransferTimeoutError
-from ..models._protocol import ModelOptions
-from ..nurseries import run_thread_to_completion
-from ..transfer import EngineOptions, Hold, MemoryRegistration, TransferEngine
+from ..._config import EncoderConfig
+from ..._errors import TransferError, TransferTimeoutError
+from ...models._protocol import ModelOptions
+from ...nurseries import run_thread_to_completion
+from ...transfer import EngineOptions, Hold, MemoryRegistration, TransferEngine
 from ._arena import StagingArena
 from ._budget import StagedBudget
 from ._held import HeldStaging
@@ -138,11 +138,16 @@ class RegionOwner:
         """Bytes a transfer may still touch (held memory)."""
         return self.held.ledger.held_bytes
 
-    async def call(self, func: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
+    async def call(
+        self, func: Callable[[Unpack[Ts]], T], *args: *Ts, abandon_on_cancel: bool = False
+    ) -> T:
         """Run an engine call: inline when the engine says its calls do not block, else in
-        a worker thread that is never abandoned. A checkpoint only in the second case."""
+        a worker thread that is never abandoned (unless ``abandon_on_cancel``, for a call
+        whose memory something else keeps alive). A checkpoint only in the second case."""
         if not self._blocking:
             return func(*args)
+        if abandon_on_cancel:
+            return await anyio.to_thread.run_sync(func, *args, abandon_on_cancel=True)
         return await run_thread_to_completion(func, *args)
 
     # -- staging (on the event loop, synchronous) ---------------------------------------------
@@ -284,14 +289,14 @@ class RegionOwner:
         except BaseException as exc:
             write_error = exc
         if isinstance(write_error, TransferTimeoutError):
-            self._adopt(staged, registration, req_id)
+            self._adopt(staged, registration)
             raise write_error
         try:
             registration.deregister_sync()
         except Exception as exc:
             # Still registered: the record owns it from now on (later sends reuse it, the
             # record's free hands it to the owner task), and nothing is registered twice.
-            self._adopt(staged, registration, req_id)
+            self._adopt(staged, registration)
             _log.error(
                 "req_id %r: deregistering the per-send region %#x failed; the request "
                 "keeps it and it is deregistered when the request ends",
@@ -304,7 +309,7 @@ class RegionOwner:
         if write_error is not None:
             raise write_error
 
-    def _adopt(self, staged: Staged, registration: MemoryRegistration, req_id: str) -> None:
+    def _adopt(self, staged: Staged, registration: MemoryRegistration) -> None:
         registration.on_deregistered = partial(self._own_gone, staged.nbytes)
         staged.registration = registration
 
@@ -400,7 +405,10 @@ class RegionOwner:
     async def _deregister(self, handover: Handover) -> bool:
         """One attempt; whether the region is gone. Failures are logged and rescheduled."""
         try:
-            gone = await self._run_abandonable(handover.registration.deregister_sync)
+            # The registration keeps the memory alive until it is gone, so a call cut short
+            # by the sweep's bound can be left running safely: nothing is freed under the
+            # engine.
+            gone = await self.call(handover.registration.deregister_sync, abandon_on_cancel=True)
         except Exception as exc:
             handover.attempts += 1
             backoff = min(_FIRST_RETRY_S * 2 ** (handover.attempts - 1), _MAX_RETRY_S)
@@ -435,13 +443,6 @@ class RegionOwner:
             self.unresolved.discard(handover)
             if self.pending.get(handover.req_id) is handover:
                 del self.pending[handover.req_id]
-
-    async def _run_abandonable(self, func: Callable[[], bool]) -> bool:
-        # The registration keeps the memory alive until it is gone, so a call cut short by
-        # the sweep's bound can be left running safely: nothing is freed under the engine.
-        if not self._blocking:
-            return func()
-        return await anyio.to_thread.run_sync(func, abandon_on_cancel=True)
 
     async def _final_sweep(self) -> None:
         """Until nothing is left or the caller's bound: complete the frees whose holds

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, final
 import anyio
 import torch
 
-from .._errors import ServiceUnavailableError
+from ..._errors import ServiceUnavailableError
 
 if TYPE_CHECKING:
     from ._batcher import ForwardJob

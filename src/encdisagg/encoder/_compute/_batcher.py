@@ -12,28 +12,40 @@ import anyio.abc
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._errors import (
+from ..._errors import (
     EncdisaggError,
     InternalError,
     ServiceUnavailableError,
 )
-from .._modality import Modality
-from ..models import Preprocessed, VisionModel
-from ..nurseries import run_thread_to_completion
+from ..._modality import Modality
+from ...models import Preprocessed, VisionModel
+from ...nurseries import run_thread_to_completion
 
-__all__ = ["Batcher", "ForwardJob", "check_token_count"]
+__all__ = ["Batcher", "ForwardJob", "check_token_count", "forward_failure"]
 
 _log = logging.getLogger("encdisagg.encoder")
 
 
-def check_token_count(output: torch.Tensor, pre: Preprocessed) -> None:
-    """:raises InternalError: if ``output`` has another row count than ``pre`` promised."""
+def check_token_count(output: torch.Tensor, pre: Preprocessed, req_id: str) -> None:
+    """:raises InternalError: (naming ``req_id``) if ``output`` has another row count than
+    ``pre`` promised."""
     expected = sum(pre.token_counts)
     produced = int(output.shape[0]) if output.dim() >= 1 else 0
     if produced != expected:
         raise InternalError(
-            f"Encoder produced {produced} tokens, but preprocessor metadata expected {expected}"
+            f"Encoder produced {produced} tokens, but preprocessor metadata expected {expected}",
+            req_id=req_id,
         )
+
+
+def forward_failure(exc: Exception, req_id: str) -> EncdisaggError:
+    """What the client sees when the model's forward raised ``exc``: ``exc`` itself if it is
+    one of ours, else an :class:`~encdisagg.InternalError` whose cause is ``exc``."""
+    if isinstance(exc, EncdisaggError):
+        return exc
+    error = InternalError(f"req_id {req_id!r}: the model's forward failed: {exc!r}", req_id=req_id)
+    error.__cause__ = exc
+    return error
 
 
 @dataclass(eq=False, slots=True)
@@ -95,8 +107,6 @@ class Batcher:
         self._on_batch = on_batch
         self._on_queue = on_queue
         self._forward_limiter = anyio.CapacityLimiter(1)
-        #: Forwards run so far (fused batches and single retries alike).
-        self.forwards = 0
 
     async def submit(self, job: ForwardJob) -> None:
         """Queue ``job``; a checkpoint. Waits while the queue is full (bound it with
@@ -181,7 +191,7 @@ class Batcher:
             outputs = await self._forward([job.pre for job in group])
         except Exception as exc:
             if len(group) == 1:
-                group[0].finish(None, _as_internal(exc, group[0].req_id))
+                group[0].finish(None, forward_failure(exc, group[0].req_id))
                 return
             _log.warning(
                 "fused forward of %d requests failed (%r); retrying one at a time",
@@ -206,9 +216,8 @@ class Batcher:
             return
         for job, output in zip(group, outputs, strict=True):
             try:
-                check_token_count(output, job.pre)
+                check_token_count(output, job.pre, job.req_id)
             except InternalError as exc:
-                exc.req_id = job.req_id
                 job.finish(None, exc)
             else:
                 job.finish(output, None)
@@ -218,15 +227,6 @@ class Batcher:
         outputs = await run_thread_to_completion(
             self._model.forward, batch, limiter=self._forward_limiter
         )
-        self.forwards += 1
         if self._on_batch is not None:
             self._on_batch(len(batch), anyio.current_time() - start)
         return outputs
-
-
-def _as_internal(exc: Exception, req_id: str) -> EncdisaggError:
-    if isinstance(exc, EncdisaggError):
-        return exc
-    error = InternalError(f"req_id {req_id!r}: the model's forward failed: {exc!r}", req_id=req_id)
-    error.__cause__ = exc
-    return error

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from .._config import EncoderConfig
-from .._errors import BadRequestError, EncdisaggError, InternalError
-from .._modality import Modality
-from ..cache import relabel_items
-from ..models import ModelOptions, Preprocessed, VisionModel
-from ..models._media._limits import MediaLimits
-from ._types import EncodeRequest
+from ..._config import EncoderConfig
+from ..._errors import BadRequestError, EncdisaggError, InternalError
+from ..._modality import Modality
+from ...cache import relabel_items
+from ...models import ModelOptions, Preprocessed, VisionModel
+from ...models._media._limits import MediaLimits
+from .._types import EncodeRequest
 
 __all__ = ["Preprocess", "item_subset", "limited_preprocess", "media_limits", "preprocess_failure"]
 

@@ -8,39 +8,37 @@ concurrent requests of one modality into one worker-thread call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
+from typing import TypeVar
 
 import anyio
 import torch
 
-from .. import _tracing
-from .._config import EncoderConfig
-from .._errors import (
+from ... import _tracing
+from ..._config import EncoderConfig
+from ..._errors import (
     BadRequestError,
-    EncdisaggError,
     InternalError,
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from .._modality import Modality
-from ..cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin
-from ..models import ModelOptions, Preprocessed, VisionModel
-from ..nurseries import run_thread_to_completion
-from ._batcher import Batcher, ForwardJob, check_token_count
+from ..._modality import Modality
+from ...cache import CachedItem, GlobalCache, ItemPlan, KeySpace, Origin
+from ...models import ModelOptions, Preprocessed, VisionModel
+from ...nurseries import run_thread_to_completion
+from .._events import EncoderEvents
+from .._types import EncodeRequest
+from ._batcher import Batcher, ForwardJob, check_token_count, forward_failure
 from ._cache import PrefixCache
-from ._events import EncoderEvents
 from ._flights import SharedEncodes
-from ._inputs import (
-    item_subset,
-    limited_preprocess,
-    media_limits as media_limits,
-    preprocess_failure,
-)
+from ._inputs import item_subset, limited_preprocess, media_limits, preprocess_failure
 from ._queued import QueuedHolding, QueuedInputs, feature_bytes
 from ._traced import FORWARD_SPAN, PREPROCESS_SPAN, record_batched
-from ._types import EncodeRequest
 
 __all__ = ["ComputePath"]
+
+T = TypeVar("T")
 
 #: Called with the preprocessed sizes as soon as they are known (early metadata).
 OnPreprocessed = Callable[[Preprocessed], None]
@@ -132,9 +130,23 @@ class ComputePath:
         trace: _tracing.Trace | None,
         digests: Sequence[str] | None,
     ) -> tuple[torch.Tensor, Preprocessed, bool]:
+        """One request's own work; its queued-input bytes are given back when it ends."""
         holding = QueuedHolding(self.queued)
         try:
-            return await self._run(request, on_preprocessed, holding, trace, digests)
+            # The global tier keeps rows and grids but not a video's timing (it comes from
+            # the request's fps as the frames are preprocessed): a video goes past it.
+            if self._global is not None and request.kind is not Modality.VIDEO:
+                rows, pre = await self._encode_items(request, holding, trace, digests)
+                on_preprocessed(pre)
+                return rows, pre, False
+            pre = await self.preprocess(request, holding=holding, trace=trace)
+            on_preprocessed(pre)
+            cached = self._cache_lookup(request.req_id, pre)
+            if cached is not None:
+                return cached, pre, True
+            (output,) = await self.forward(request, [pre], holding, trace)
+            self._cache_insert(pre, output)
+            return output, pre, False
         finally:
             holding.release()
 
@@ -161,29 +173,6 @@ class ComputePath:
             raise BadRequestError(
                 f"req_id {request.req_id!r}: {exc.message}", req_id=request.req_id
             ) from None
-
-    async def _run(
-        self,
-        request: EncodeRequest,
-        on_preprocessed: OnPreprocessed,
-        holding: QueuedHolding,
-        trace: _tracing.Trace | None,
-        digests: Sequence[str] | None,
-    ) -> tuple[torch.Tensor, Preprocessed, bool]:
-        # The global tier keeps rows and grids but not a video's timing (it comes from the
-        # request's fps as the frames are preprocessed): a video goes past it.
-        if self._global is not None and request.kind is not Modality.VIDEO:
-            rows, pre = await self._encode_items(request, holding, trace, digests)
-            on_preprocessed(pre)
-            return rows, pre, False
-        pre = await self.preprocess(request, holding=holding, trace=trace)
-        on_preprocessed(pre)
-        cached = self._cache_lookup(request.req_id, pre)
-        if cached is not None:
-            return cached, pre, True
-        (output,) = await self.forward(request, [pre], holding, trace)
-        self._cache_insert(pre, output)
-        return output, pre, False
 
     async def preprocess(
         self,
@@ -237,15 +226,11 @@ class ComputePath:
         # client send it again.
         self.queued.check_admission(request.req_id)
         async with self._slots:
-            try:
-                with anyio.fail_after(self._config.request_timeout_s):
-                    await self.queued.wait_for_room()
-            except TimeoutError:
-                raise RequestTimeoutError(
-                    f"req_id {request.req_id!r}: preprocessed inputs stayed at "
-                    f"queued_memory_limit_mb for {self._config.request_timeout_s} s",
-                    req_id=request.req_id,
-                ) from None
+            await self._bounded(
+                request.req_id,
+                self.queued.wait_for_room,
+                "preprocessed inputs stayed at queued_memory_limit_mb",
+            )
             pre = await run_thread_to_completion(
                 self._preprocess, items, request.kind, limiter=self._limiter
             )
@@ -277,16 +262,10 @@ class ComputePath:
         submitted: list[ForwardJob] = []
         try:
             for job in jobs:
-                try:
-                    with anyio.fail_after(self._config.request_timeout_s):
-                        await batcher.submit(job)
-                    submitted.append(job)
-                except TimeoutError:
-                    raise RequestTimeoutError(
-                        f"req_id {request.req_id!r}: the encode queue stayed full for "
-                        f"{self._config.request_timeout_s} s",
-                        req_id=request.req_id,
-                    ) from None
+                await self._bounded(
+                    request.req_id, partial(batcher.submit, job), "the encode queue stayed full"
+                )
+                submitted.append(job)
             for job in jobs:
                 await job.done.wait()
         except BaseException:
@@ -308,70 +287,77 @@ class ComputePath:
             outputs.append(job.output)
         return outputs
 
+    async def _bounded(self, req_id: str, wait: Callable[[], Awaitable[None]], what: str) -> None:
+        """Await ``wait()`` for at most ``request_timeout_s``. A checkpoint.
+
+        :raises RequestTimeoutError: it did not end in time; the message says that ``what``
+            (the condition it waited out) lasted that long.
+        """
+        timeout = self._config.request_timeout_s
+        try:
+            with anyio.fail_after(timeout):
+                await wait()
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"req_id {req_id!r}: {what} for {timeout} s", req_id=req_id
+            ) from None
+
     def _forward_inline(
         self, request: EncodeRequest, batch: Sequence[Preprocessed]
     ) -> list[torch.Tensor]:
         try:
             outputs = self._model.forward(batch)
-        except EncdisaggError:
-            raise
         except Exception as exc:
-            raise InternalError(
-                f"req_id {request.req_id!r}: the model's forward failed: {exc!r}",
-                req_id=request.req_id,
-            ) from exc
+            raise forward_failure(exc, request.req_id)  # noqa: B904
         if len(outputs) != len(batch):
             raise InternalError(
                 f"the model returned {len(outputs)} outputs for a batch of {len(batch)}",
                 req_id=request.req_id,
             )
         for output, pre in zip(outputs, batch, strict=True):
-            try:
-                check_token_count(output, pre)
-            except InternalError as exc:
-                exc.req_id = request.req_id
-                raise
+            check_token_count(output, pre, request.req_id)
         return outputs if type(outputs) is list else list(outputs)
 
     # -- the local tier alone ----------------------------------------------------------------
 
-    def _cache_key_ok(self, pre: Preprocessed) -> bool:
-        return self._config.prefix_cache_mb > 0 and pre.cache_key is not None
+    def _cache_key(self, pre: Preprocessed) -> str | None:
+        return pre.cache_key if self._config.prefix_cache_mb > 0 else None
 
     def _cache_lookup(self, req_id: str, pre: Preprocessed) -> torch.Tensor | None:
-        if not self._cache_key_ok(pre):
+        key = self._cache_key(pre)
+        if key is None:
             return None
-        assert pre.cache_key is not None
-        model = self._model
+        hidden, dtype = self._model.hidden_size, self._model.dtype
+        tokens = sum(pre.token_counts)
+        return self._counted(
+            req_id, partial(self._cache.lookup, key, tokens=tokens, hidden_size=hidden, dtype=dtype)
+        )
+
+    def _cache_insert(self, pre: Preprocessed, output: torch.Tensor) -> None:
+        key = self._cache_key(pre)
+        if key is not None:
+            self._insert([(key, output, sum(pre.token_counts), None)])
+
+    def _counted(self, req_id: str, lookup: Callable[[], T | None]) -> T | None:
+        """A lookup in the local tier, counted as a hit or a miss. An entry found invalid
+        (the cache evicted it) fails the request."""
         try:
-            hit = self._cache.lookup(
-                pre.cache_key,
-                tokens=sum(pre.token_counts),
-                hidden_size=model.hidden_size,
-                dtype=model.dtype,
-            )
+            hit = lookup()
         except ValueError as exc:
             self._events.cache("invalid")
             raise InternalError(f"req_id {req_id!r}: {exc}", req_id=req_id) from exc
         self._events.cache("hit" if hit is not None else "miss")
         return hit
 
-    def _cache_insert(self, pre: Preprocessed, output: torch.Tensor) -> None:
-        if not self._cache_key_ok(pre):
-            return
-        assert pre.cache_key is not None
-        model = self._model
+    def _insert(
+        self, entries: Iterable[tuple[str, torch.Tensor, int, tuple[int, ...] | None]]
+    ) -> None:
+        """Insert ``(key, rows, tokens, grid)`` entries in the local tier (``grid``: one
+        item's entry), counting what they evicted."""
+        hidden, dtype = self._model.hidden_size, self._model.dtype
         before = self._cache.stats().evictions
-        self._cache.insert(
-            pre.cache_key,
-            output,
-            tokens=sum(pre.token_counts),
-            hidden_size=model.hidden_size,
-            dtype=model.dtype,
-        )
-        self._count_evictions(before)
-
-    def _count_evictions(self, before: int) -> None:
+        for key, rows, tokens, grid in entries:
+            self._cache.insert(key, rows, tokens=tokens, hidden_size=hidden, dtype=dtype, grid=grid)
         for _ in range(self._cache.stats().evictions - before):
             self._events.cache("eviction")
 
@@ -434,13 +420,9 @@ class ComputePath:
         if self._config.prefix_cache_mb <= 0:
             return
         model = self._model
+        lookup = partial(self._cache.lookup_item, hidden_size=model.hidden_size, dtype=model.dtype)
         for key in plan.open_keys():
-            try:
-                hit = self._cache.lookup_item(key, hidden_size=model.hidden_size, dtype=model.dtype)
-            except ValueError as exc:
-                self._events.cache("invalid")
-                raise InternalError(f"req_id {req_id!r}: {exc}", req_id=req_id) from exc
-            self._events.cache("hit" if hit is not None else "miss")
+            hit = self._counted(req_id, partial(lookup, key))
             if hit is not None:
                 rows, (tokens, grid) = hit
                 plan.fill(key, CachedItem(rows=rows, tokens=tokens, grid=grid), Origin.LOCAL)
@@ -451,22 +433,16 @@ class ComputePath:
         computed = plan.computed()
         for key, item in computed:
             self._global.insert_soon(key, item)
-        if self._config.prefix_cache_mb <= 0:
-            return
-        model = self._model
-        before = self._cache.stats().evictions
-        for key, item in [*computed, *plan.fetched()]:
-            rows = item.rows
-            if rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
-                # A view into a batch output or a fetched buffer: keep only its own rows, so
-                # the cache's byte count is the memory it holds.
-                rows = rows.clone()
-            self._cache.insert(
-                key,
-                rows,
-                tokens=item.tokens,
-                hidden_size=model.hidden_size,
-                dtype=model.dtype,
-                grid=item.grid,
+        if self._config.prefix_cache_mb > 0:
+            self._insert(
+                (key, _own_rows(item.rows), item.tokens, item.grid)
+                for key, item in [*computed, *plan.fetched()]
             )
-        self._count_evictions(before)
+
+
+def _own_rows(rows: torch.Tensor) -> torch.Tensor:
+    if rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
+        # A view into a batch output or a fetched buffer: keep only its own rows, so the
+        # cache's byte count is the memory it holds.
+        return rows.clone()
+    return rows

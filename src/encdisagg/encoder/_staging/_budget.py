@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import final
 
-from .._errors import ServiceUnavailableError
+from ..._errors import ServiceUnavailableError
 
 __all__ = ["StagedBudget"]
 

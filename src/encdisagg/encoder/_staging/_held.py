@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 from functools import partial
 
-from ..nurseries import ThreadSafeEvent
-from ..transfer import HeldLedger, Hold
+from ...nurseries import ThreadSafeEvent
+from ...transfer import HeldLedger, Hold
 from ._staged import Staged
 
 __all__ = ["HeldStaging"]
