@@ -38,6 +38,8 @@ _TYPES: Final = {
     "bytes": "bytes",
     "ext": "a msgpack extension type",
 }
+#: How msgspec words ``min_length=1``: said "a non-empty ..." instead.
+_NOT_EMPTY = " of length >= 1"
 #: Regular expressions of string fields -> what they mean, for messages (see :func:`pattern`).
 _MEANINGS: dict[str, str] = {}
 
@@ -76,10 +78,13 @@ def explain(exc: msgspec.ValidationError, what: str) -> str:
         place = f" in {field}" if path else ""
         return f"{verb} field {shown(named[2])}{place}"
     if expected := _EXPECTED.match(detail):
+        kinds = _kinds(expected[1])
         rest = _GOT.sub(lambda got: f", got {_kinds(got[1])}", expected[2])
+        if rest.startswith(_NOT_EMPTY) and kinds.startswith("a "):
+            kinds, rest = f"a non-empty {kinds[2:]}", rest.removeprefix(_NOT_EMPTY)
         for regex, meaning in _MEANINGS.items():
             rest = rest.replace(f" matching regex {regex}", f" of {meaning}")
-        return f"{field} must be {_kinds(expected[1])}{rest}"
+        return f"{field} must be {kinds}{rest}"
     if value := _VALUE.match(detail):
         return f"{field} {value[1][:_SHOWN_CHARS]} is not one of the values taken here"
     if path is None:  # a __post_init__ check: its message names its field itself

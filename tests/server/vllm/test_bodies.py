@@ -65,7 +65,7 @@ def _with(body: dict[str, Any], **changes: Any) -> dict[str, Any]:
         (chat_body(image_item("a"), temperature=0), "unknown field 'temperature'"),
         (chat_body(image_item("a", detail="x")), "unknown field 'detail' in messages[0]"),
         (_with(chat_body(), messages=[{"role": "user", "content": "hi"}]), "messages[0].content"),
-        (_with(chat_body(), messages=[]), "messages must be a list of length >= 1"),
+        (_with(chat_body(), messages=[]), "messages must be a non-empty list"),
         (_with(chat_body(image_item("a")), model=None), "model must be"),
         (chat_body(image_item("a"), priority="high"), "priority must be an integer"),
         (
