@@ -15,11 +15,11 @@ validated message, both ways side by side in one process (the order alternates p
 - data-parallel IPC (``server/_dp/_ipc.py``): ``unpack`` then the fields checked by hand (the
   decoders it had, kept here as the baseline), against ``WorkMessage.decode`` /
   ``ReplyMessage.decode``, which decode with msgspec now;
-- the ``/encode`` answer a receiver reads (``receiver/_messages.py``): ``json.loads`` (what
+- the ``/encode`` answer a receiver reads (``receiver/_encoder_wire.py``): ``json.loads`` (what
   ``httpx.Response.json`` does) then ``PartMetadata.from_json``, against a JSON Struct;
 - the push header (``transfer/_wire.py``): ``decode_header``, against a msgpack Struct.
 
-``pipeline/_messages.py`` has no decoder: its messages are handed over in one process as the
+``pipeline/_pd_messages.py`` has no decoder: its messages are handed over in one process as the
 values they are. Both sides must accept every valid body and refuse a set of broken ones
 before timing, with two gaps on the bytes-only side: msgspec keeps the last of two duplicate
 JSON keys, where ``decode_body`` refuses the body (printed when the benchmark starts), and

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from encdisagg import Encoder, EncoderConfig
-from encdisagg.encoder._staging import _regions
+from encdisagg.encoder._staging import _owner
 from encdisagg.models import NullVisionModel
 from encdisagg.transfer import LoopbackEngine, LoopbackFabric
 
@@ -20,13 +20,13 @@ async def test_the_staging_arena_is_allocated_off_the_event_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     threads: list[int] = []
-    original = _regions.StagingArena
+    original = _owner.StagingArena
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         threads.append(threading.get_ident())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_regions, "StagingArena", recording)
+    monkeypatch.setattr(_owner, "StagingArena", recording)
     config = EncoderConfig(model="null", transfer="loopback", staging_arena_mb=1)
     async with Encoder(config, model=NullVisionModel(), engine=LoopbackEngine(LoopbackFabric())):
         pass

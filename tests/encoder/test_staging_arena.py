@@ -280,7 +280,7 @@ async def test_no_write_reads_staged_cuda_memory_before_it_is_final(
 
 def _arena_owner(engine: RecordingEngine) -> tuple[Any, Any]:
     from encdisagg.encoder._staging._budget import StagedBudget
-    from encdisagg.encoder._staging._regions import RegionOwner
+    from encdisagg.encoder._staging._owner import RegionOwner
 
     budget = StagedBudget(None)
     owner = RegionOwner(

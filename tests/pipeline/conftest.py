@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from encdisagg.pipeline import DecodeWorker, LanguageModel, PrefillWorker
-from encdisagg.pipeline._messages import DecodeMessage, PrefillMessage
+from encdisagg.pipeline._pd_messages import DecodeMessage, PrefillMessage
 from encdisagg.receiver import EmbeddingReceiver, EncoderClient
 from encdisagg.transfer import HoldPolicy, LoopbackEngine, LoopbackFabric, TransferEngine
 

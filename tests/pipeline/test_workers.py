@@ -16,7 +16,7 @@ from encdisagg.pipeline import (
     PrefillReport,
     PrefillStatus,
 )
-from encdisagg.pipeline._messages import DecodeMessage
+from encdisagg.pipeline._pd_messages import DecodeMessage
 from encdisagg.transfer import HoldPolicy, LoopbackEngine
 
 from .conftest import Wiring, wait_for, wired

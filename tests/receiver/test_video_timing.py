@@ -13,7 +13,7 @@ from encdisagg import BadRequestError, Modality
 from encdisagg._video_timing import VideoTiming, timing_to_wire, video_timing
 from encdisagg.models import QwenVisionModel, load_model
 from encdisagg.receiver import EmbeddingReceiver, EncoderClient, fetch_embeddings
-from encdisagg.receiver._messages import PartMetadata
+from encdisagg.receiver._encoder_wire import PartMetadata
 from encdisagg.receiver._plan import PartPlan, RequestPlan
 from encdisagg.receiver._validate import check_agreement, check_metadata_timing
 from encdisagg.transfer import EmbeddingHeader, MooncakeEngine

@@ -57,7 +57,7 @@ from encdisagg import (
     TransferTimeoutError,
 )
 from encdisagg.receiver import EmbeddingReceiver, ReleaseOutcome, _landing_holds, fetch_embeddings
-from encdisagg.receiver._messages import PartMetadata
+from encdisagg.receiver._encoder_wire import PartMetadata
 from encdisagg.receiver._plan import PartPlan, RequestPlan, assign_parts
 from encdisagg.transfer import Hold
 from tests.encoder.fakes import ScriptedModel

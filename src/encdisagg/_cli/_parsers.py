@@ -291,7 +291,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo_command
+    from ._demo_command import run_demo_command
 
     return run_demo_command(args)
 

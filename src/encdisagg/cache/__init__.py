@@ -21,12 +21,12 @@ from ._entry import (
     read_entry as read_entry,
 )
 from ._global import GlobalCache as GlobalCache
+from ._item_plan import ItemPlan as ItemPlan, Origin as Origin, relabel_items as relabel_items
 from ._keys import (
     KeySpace as KeySpace,
     ModalityKeys as ModalityKeys,
     content_digest as content_digest,
 )
-from ._plan import ItemPlan as ItemPlan, Origin as Origin, relabel_items as relabel_items
 from ._stats import GlobalCacheStats as GlobalCacheStats
 from ._store import (
     EmbeddingStore as EmbeddingStore,
@@ -35,7 +35,7 @@ from ._store import (
     open_mooncake_store as open_mooncake_store,
     rc_name as rc_name,
 )
-from ._url import (
+from ._store_url import (
     GlobalCacheSettings as GlobalCacheSettings,
     parse_global_cache_url as parse_global_cache_url,
 )

@@ -20,7 +20,7 @@ from ..transfer._lifetime import close_in_thread
 
 if TYPE_CHECKING:
     from ._store import EmbeddingStore
-    from ._url import GlobalCacheSettings
+    from ._store_url import GlobalCacheSettings
 
 __all__ = ["StoreConnection"]
 

@@ -35,7 +35,7 @@ from ._entry import CachedItem
 from ._stats import COUNTERS, EVENT_NAMES, GlobalCacheStats
 from ._store import EmbeddingStore, open_mooncake_store
 from ._store_io import LookupReport, NoAnswer, ask_bounded, lookup_entries, put_entry
-from ._url import GlobalCacheSettings
+from ._store_url import GlobalCacheSettings
 
 __all__ = ["GlobalCache"]
 

@@ -20,7 +20,7 @@ import torch
 from .._errors import TransferError
 
 if TYPE_CHECKING:
-    from ._url import GlobalCacheSettings
+    from ._store_url import GlobalCacheSettings
 
 __all__ = [
     "EmbeddingStore",

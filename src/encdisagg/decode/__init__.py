@@ -37,8 +37,8 @@ from ._batching import (
     KVBackup as KVBackup,
     RunningRequest as RunningRequest,
 )
+from ._deferred import DeferredResolution as DeferredResolution, HeldRelease as HeldRelease
 from ._draft import DraftLayout as DraftLayout, DraftState as DraftState
-from ._held import DeferredResolution as DeferredResolution, HeldRelease as HeldRelease
 from ._pages import PageAllocator as PageAllocator, PageSource as PageSource
 from ._poll import KVPoll as KVPoll
 from ._pool import (

@@ -17,7 +17,7 @@ from typing import Protocol
 from .._errors import InternalError
 from ..transfer import HeldLedger, Hold, HoldPolicy
 from ._acks import AbortAckTracker
-from ._held import DeferredResolution, HeldRelease, hold_for, log_retired, log_reused
+from ._deferred import DeferredResolution, HeldRelease, hold_for, log_retired, log_reused
 from ._poll import KVPoll
 from ._request import DecodeRequest
 from ._slots import MetadataSlotAllocator

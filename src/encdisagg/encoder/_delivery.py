@@ -35,7 +35,7 @@ from ..transfer import (
 )
 from ..transfer._wire import ForeignHeader
 from ._jobs import Job
-from ._staging._regions import RegionOwner
+from ._staging._owner import RegionOwner
 from ._staging._staged import Staged
 from ._table import Phase, RequestRecord
 from ._types import Destination, MooncakeDestination, SglangZmqDestination, ZmqDestination

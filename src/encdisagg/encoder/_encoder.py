@@ -2,7 +2,7 @@
 
 This module wires the rooms together and carries the public contract: ``_table`` decides
 what a request may do, ``_lifecycle`` runs its jobs, ``_compute/`` and ``_delivery`` do the
-work, ``_staging/_regions`` owns the memory and every engine registration.
+work, ``_staging/_owner`` owns the memory and every engine registration.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ._lifecycle import RequestLifecycle
 from ._parts import global_cache_settings, load_configured_model, open_engine, open_global_cache
 from ._shutdown import drain
 from ._staging._budget import StagedBudget
-from ._staging._regions import RegionOwner
+from ._staging._owner import RegionOwner
 from ._types import (
     Destination,
     EncodeRequest,

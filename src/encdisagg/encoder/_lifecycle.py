@@ -43,7 +43,7 @@ from ._delivery import Delivery
 from ._events import EncoderEvents
 from ._jobs import CutShort, Job
 from ._staging._budget import StagedBudget
-from ._staging._regions import RegionOwner
+from ._staging._owner import RegionOwner
 from ._staging._staged import Handover
 from ._table import Phase, RequestRecord, RequestTable, released
 from ._types import Destination, EncodeRequest, EncodeResult, ZmqDestination

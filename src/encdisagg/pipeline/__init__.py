@@ -30,7 +30,7 @@ from ._lm import (
     LanguageModel as LanguageModel,
     PrefillResult as PrefillResult,
 )
-from ._messages import (
+from ._pd_messages import (
     AbortRequest as AbortRequest,
     BootstrapInfo as BootstrapInfo,
     DrainedAck as DrainedAck,

@@ -34,7 +34,7 @@ from ..transfer import HoldPolicy
 from ._decode_sched import DecodeScheduler
 from ._decode_types import DecodeJob, DecodePhase, DecodeResult, DecodeStats
 from ._lm import LanguageModel
-from ._messages import DecodeMessage, PrefillMessage
+from ._pd_messages import DecodeMessage, PrefillMessage
 
 if TYPE_CHECKING:
     from ..transfer import TransferEngine

@@ -38,7 +38,7 @@ from ..decode import (
     RunningRequest,
 )
 from ._decode_types import DecodeJob, DecodePhase, DecodeResult, DecodeStats, DecodeStatus
-from ._messages import (
+from ._pd_messages import (
     ROPE_DELTA_WORD,
     SEQ_LEN_WORD,
     AbortRequest,

@@ -20,7 +20,7 @@ import anyio
 from .._errors import BadRequestError, ServiceUnavailableError
 from ..decode import KVPagePool, MetadataSlotAllocator, MetadataSlotTable
 from ..nurseries import run_thread_to_completion
-from ._messages import ROPE_DELTA_WORD, SEQ_LEN_WORD
+from ._pd_messages import ROPE_DELTA_WORD, SEQ_LEN_WORD
 
 if TYPE_CHECKING:
     import threading
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from ..transfer import TransferEngine
     from ._lm import LanguageModel, PrefillResult
-    from ._messages import KVDestination
+    from ._pd_messages import KVDestination
     from ._prefill_types import PipelineRequest
 
 __all__ = ["KVPageWriter", "StagedKV"]

@@ -40,7 +40,7 @@ from ..nurseries import run_thread_to_completion
 from ..receiver import EmbeddingReceiver, EncoderClient, fetch_embeddings
 from ._kv_writer import KVPageWriter, StagedKV
 from ._lm import LanguageModel, PrefillResult
-from ._messages import (
+from ._pd_messages import (
     AbortRequest,
     BootstrapInfo,
     DecodeMessage,

@@ -19,7 +19,7 @@ import anyio
 
 if TYPE_CHECKING:
     from ._lm import PrefillResult
-    from ._messages import KVDestination
+    from ._pd_messages import KVDestination
 
 __all__ = [
     "AbortTombstones",

@@ -20,16 +20,16 @@ from ._client import (
     EncoderClient as EncoderClient,
     ReleaseOutcome as ReleaseOutcome,
 )
-from ._fetch import fetch_embeddings as fetch_embeddings, fetch_from_fleet as fetch_from_fleet
-from ._fleet import EncoderFleet as EncoderFleet
-from ._landing import LandingPool as LandingPool, PageRun as PageRun
-from ._landing_holds import Recheck as Recheck
-from ._messages import (
+from ._encoder_wire import (
     MooncakeSendTarget as MooncakeSendTarget,
     PartMetadata as PartMetadata,
     SendTarget as SendTarget,
     ZmqSendTarget as ZmqSendTarget,
 )
+from ._fetch import fetch_embeddings as fetch_embeddings, fetch_from_fleet as fetch_from_fleet
+from ._fleet import EncoderFleet as EncoderFleet
+from ._landing import LandingPool as LandingPool, PageRun as PageRun
+from ._landing_holds import Recheck as Recheck
 from ._pending import PendingEmbeddings as PendingEmbeddings
 from ._plan import (
     PartPlan as PartPlan,

@@ -23,8 +23,8 @@ from ._call_errors import (
     ReleaseOutcome,
     first_error,
 )
+from ._encoder_wire import PartMetadata, SendTarget, needs_conversion, wire_items
 from ._fleet import EncoderFleet
-from ._messages import PartMetadata, SendTarget, needs_conversion, wire_items
 from ._plan import PartPlan, RequestPlan, assign_parts
 from ._routing import FleetRouting
 

@@ -25,7 +25,7 @@ from .._errors import (
     RequestNotActiveError,
     ServiceUnavailableError,
 )
-from ._messages import MooncakeSendTarget, SendTarget, ZmqSendTarget, engine_address
+from ._encoder_wire import MooncakeSendTarget, SendTarget, ZmqSendTarget, engine_address
 from ._plan import part_req_id
 from ._received import EmbeddingPart, ReceivedEmbeddings
 from ._validate import (
@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     import torch
 
     from ..transfer import EmbeddingHeader, ReceivedPart
+    from ._encoder_wire import PartMetadata
     from ._landing import LandingPool, PageRun
     from ._landing_holds import HeldLandings, Recheck
-    from ._messages import PartMetadata
     from ._plan import RequestPlan
 
 __all__ = ["Landing", "PendingEmbeddings"]

@@ -30,9 +30,9 @@ import torch
 from .. import _tracing
 from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
 from ..transfer import EmbeddingLayout, HoldPolicy, ReceivedPart, ZmqReceiver
+from ._encoder_wire import engine_address
 from ._landing import LandingPool
 from ._landing_holds import HeldLandings
-from ._messages import engine_address
 from ._pending import Landing, PendingEmbeddings
 from ._plan import RequestPlan, split_part_id
 from ._received import ReceiverStats

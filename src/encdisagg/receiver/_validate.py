@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..transfer import EmbeddingHeader, EmbeddingLayout
-    from ._messages import PartMetadata
+    from ._encoder_wire import PartMetadata
     from ._plan import RequestPlan
 
 __all__ = [
