@@ -84,8 +84,8 @@ class FastPixels:
     patch_size: int
     merge_size: int
     temporal: int
-    preprocess: str = "fast"
-    device: torch.device = torch.device("cpu")
+    preprocess: str
+    device: torch.device
 
     def resized(self, frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``[F, C, H, W]`` ``uint8`` frames resized to ``height`` x ``width``, or the same
@@ -212,9 +212,7 @@ def check_mode(mode: object) -> None:
         )
 
 
-def fast_pixels(
-    processor: Any, mode: str, device: torch.device | None = None
-) -> FastPixels | None:
+def fast_pixels(processor: Any, mode: str, device: torch.device | None = None) -> FastPixels | None:
     """The fast path for ``processor``'s settings, or ``None`` where ``mode`` is
     ``"reference"`` or the processor asks for what the fast path does not do (no resize, or a
     filter other than bicubic or bilinear): such a model keeps the processor. It runs on the
