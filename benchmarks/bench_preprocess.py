@@ -1,4 +1,4 @@
-"""Image preprocessing throughput: transformers' processor, ours (fast and reference), decoding.
+"""Image preprocessing throughput: the processor, ours (fast, reference, device), decoding.
 
 Run as ``python benchmarks/bench_preprocess.py``; writes ``benchmarks/results/preprocess.json``.
 
@@ -9,7 +9,10 @@ four ways to turn the encoded bytes into what the tower reads are timed, one ima
 - ``hf``: decode with Pillow, then ``Qwen2VLImageProcessorPil`` with the model's settings;
 - ``fast``: ``model.preprocess`` on the default ``preprocess = "fast"`` path;
 - ``reference``: ``model.preprocess`` with ``preprocess = "reference"`` (the processor itself);
-- ``decode``: Pillow's decoding alone, the floor every path pays.
+- ``decode``: Pillow's decoding alone, the floor every path pays;
+- ``device`` (only where CUDA is available; the JSON notes its absence otherwise):
+  ``preprocess = "device"`` with the model on ``cuda``, the same kernels run there from one
+  pinned ``uint8`` upload; each call waits for the device.
 
 ``model.preprocess`` also checks the budgets and computes the cache key, as a server does.
 The four run in alternating rounds (one call of each per round, in a rotating order), so a
@@ -53,7 +56,10 @@ MODELS: dict[str, Callable[[], Qwen2VLImageProcessorPil]] = {
 }
 INPUTS = (("448x448 PNG", 448, 448, "PNG"), ("1280x720 JPEG", 1280, 720, "JPEG"))
 INPUTS += (("1920x1080 JPEG", 1920, 1080, "JPEG"),)
-WAYS = ("hf", "fast", "reference", "decode")
+#: Where the ``device`` way runs, if anywhere.
+DEVICE = "cuda" if torch.cuda.is_available() else None
+WAYS = ("hf", "fast", "reference", "decode") + (("device",) if DEVICE else ())
+NO_DEVICE = "skipped: no CUDA device (its figures come only from a machine with one)"
 #: Goals of the fast path: times the processor's throughput, per input.
 SPEEDUP_GOALS = {"448x448 PNG": 1.5, "1280x720 JPEG": 4.0, "1920x1080 JPEG": 4.0}
 DECODE_GOAL = 3.0  # the fast path within this many times decoding alone
@@ -83,12 +89,23 @@ def _ways(name: str, data: bytes) -> dict[str, Callable[[], object]]:
     assert fast.preprocess_mode == "fast"
     assert reference.preprocess_mode == "reference"
     processor = MODELS[name]()
-    return {
+    ways: dict[str, Callable[[], object]] = {
         "hf": lambda: processor(images=[decode(data)], return_tensors="pt"),
         "fast": lambda: fast.preprocess([data], Modality.IMAGE),
         "reference": lambda: reference.preprocess([data], Modality.IMAGE),
         "decode": lambda: decode(data),
     }
+    if DEVICE is not None:
+        on_device = load_model(name, device=DEVICE, preprocess="device")
+        assert on_device.preprocess_mode == "device"
+
+        def device_way() -> object:
+            pre = on_device.preprocess([data], Modality.IMAGE)
+            torch.cuda.synchronize()  # the pixel values are made, not only queued
+            return pre
+
+        ways["device"] = device_way
+    return ways
 
 
 def alternating(ways: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
@@ -123,6 +140,10 @@ def measure(name: str, label: str, data: bytes, rounds: int) -> dict[str, Any]:
     row["fast_vs_hf"] = _ratio(seconds["hf"], seconds["fast"])
     row["reference_vs_hf"] = _ratio(seconds["hf"], seconds["reference"])
     row["fast_vs_decode"] = _ratio(seconds["fast"], seconds["decode"])
+    if DEVICE is None:
+        row["device"] = NO_DEVICE
+    else:
+        row["device_vs_fast"] = _ratio(seconds["fast"], seconds["device"])
     return row
 
 
@@ -179,6 +200,15 @@ def headlines(rows: list[dict[str, Any]], scaling: dict[str, Any]) -> list[dict[
                 ),
             )
         )
+        if DEVICE is not None:
+            found.append(
+                headline(
+                    f"{row['model']} {row['input']}: device preprocess vs fast (CPU)",
+                    row["device_vs_fast"],
+                    "x",
+                    note=f"device {row['device']['images_per_s']:.0f}/s on {DEVICE}",
+                )
+            )
     found.append(
         headline(
             f"{scaling['model']} {scaling['input']}: fast preprocess, 2 threads vs 1",
@@ -211,7 +241,14 @@ def main() -> None:
                 f"{row['reference']['median_ms']:6.1f} ms  decode "
                 f"{row['decode']['median_ms']:5.1f} ms  fast/hf {row['fast_vs_hf']:.2f}x  "
                 f"fast/decode {row['fast_vs_decode']:.2f}x"
+                + (
+                    f"  device {row['device']['median_ms']:6.1f} ms"
+                    if DEVICE
+                    else "  device skipped"
+                )
             )
+    if DEVICE is None:
+        print(f"the device way: {NO_DEVICE}")
     scaling = threads("tiny", photo(1280, 720, "JPEG"), options.pick(16, 4), options.pick(10, 2))
     print(f"2 threads vs 1: {scaling['ratio']:.2f}x")
     write_json(
@@ -225,6 +262,7 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
+            "device": DEVICE or NO_DEVICE,
             "rows": rows,
             "threads": scaling,
             "headline": headlines(rows, scaling),

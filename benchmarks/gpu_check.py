@@ -9,10 +9,13 @@ does not stop the others):
 1. ``tests``: the device-marked tests (``pytest -m device``) with ``ENCDISAGG_TEST_DEVICE``;
 2. ``tower``: Qwen2.5-VL-7B's vision tower (random weights) in bfloat16: images/s at
    batches of 1, 4 and 8 for 448x448 and 1280x720, preprocessing timed apart;
-3. ``transfer``: embeddings made on the device, staged in the arena there, over Mooncake
+3. ``preprocess``: images/s of the fast image path on the host and of the same kernels on
+   the device (``preprocess = "device"``) for a 1280x720 and a 1920x1080 JPEG, with the
+   largest difference of their pixel values and whether their cache keys agree;
+4. ``transfer``: embeddings made on the device, staged in the arena there, over Mooncake
    TCP to a receiver on this host and over ZMQ, compared byte for byte;
-4. ``demo zmq`` / ``demo mooncake``: ``encdisagg demo --device`` with ``parity=ok``;
-5. ``serve --dp 2``: each worker on its own GPU (skipped with fewer than two), and both
+5. ``demo zmq`` / ``demo mooncake``: ``encdisagg demo --device`` with ``parity=ok``;
+6. ``serve --dp 2``: each worker on its own GPU (skipped with fewer than two), and both
    workers on one shared device.
 
 Every step runs in a child process with a timeout, and the whole run within ``--budget-s``
@@ -41,13 +44,14 @@ DEFAULT_OUT: Final = RESULTS_DIR / "gpu_check.json"
 STEPS: Final = (
     ("tests", "tests", 180.0),
     ("tower", "tower", 150.0),
+    ("preprocess", "preprocess", 60.0),
     ("transfer", "transfer", 60.0),
     ("demo zmq", "demo", 60.0),
     ("demo mooncake", "demo", 60.0),
     ("serve --dp 2, a device each", "dp", 90.0),
     ("serve --dp 2, one device shared", "dp", 90.0),
 )
-GROUPS: Final = ("tests", "tower", "transfer", "demo", "dp")
+GROUPS: Final = ("tests", "tower", "preprocess", "transfer", "demo", "dp")
 #: A step is not started with less than this left of the budget.
 MIN_STEP_S: Final = 10.0
 
@@ -77,6 +81,7 @@ def _run_step(name: str, device: str, repeats: int, timeout_s: float) -> Row:
     runners: dict[str, Callable[[], Row]] = {
         "tests": lambda: tests_step(device, timeout_s),
         "tower": lambda: _in_child("tower", device, repeats, timeout_s),
+        "preprocess": lambda: _in_child("preprocess", device, repeats, timeout_s),
         "transfer": lambda: _in_child("transfer", device, repeats, timeout_s),
         "demo zmq": lambda: demo_step(device, "zmq", timeout_s),
         "demo mooncake": lambda: demo_step(device, "mooncake", timeout_s),
@@ -149,6 +154,13 @@ def summary(result: Row) -> str:
         )
     if step == "tower":
         return _tower_text(figures)
+    if step == "preprocess":
+        return "; ".join(
+            f"{cell['image']}: host {cell['host_images_per_s']}/s, device "
+            f"{cell['device_images_per_s']}/s ({cell['device_vs_host']}x), max diff "
+            f"{cell['max_abs_diff']}, keys equal {'yes' if cell['cache_keys_equal'] else 'no'}"
+            for cell in figures["cells"]
+        )
     if step == "transfer":
         return "; ".join(
             f"{case['case']}: {case['bytes'] / 2**20:.1f} MiB, bytes equal "
@@ -213,11 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     repeats = args.repeats or (3 if is_accelerator(args.device) else 1)
     if args.step:
+        from _gpu_preprocess import preprocess_step
         from _gpu_tower import tower_step
         from _gpu_transfer import transfer_step
 
         steps: dict[str, Callable[[], Row]] = {
             "tower": lambda: tower_step(args.device, repeats),
+            "preprocess": lambda: preprocess_step(args.device, repeats),
             "transfer": lambda: transfer_step(args.device),
         }
         try:

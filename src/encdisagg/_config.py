@@ -24,8 +24,9 @@ __all__ = ["EncoderConfig"]
 
 TRANSFERS = ("zmq", "mooncake", "loopback")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
-#: How image preprocessing runs: the fast ``uint8`` path, or transformers' processor itself.
-PREPROCESS_MODES = ("fast", "reference")
+#: How image preprocessing runs: the fast ``uint8`` path on the CPU, transformers' processor
+#: itself, or the fast path's kernels on the model's device.
+PREPROCESS_MODES = ("fast", "reference", "device")
 
 
 def _check_type(name: str, value: object, annotation: object) -> None:
@@ -81,7 +82,8 @@ class EncoderConfig:
     #: How images (and video frames) are preprocessed: ``"fast"`` resizes in ``uint8`` with
     #: torch's antialiased kernels and patchifies and normalises in one pass (grids equal the
     #: processor's; pixel values within 0.05 of its); ``"reference"`` runs transformers'
-    #: processor itself, bit for bit (see docs/models.md).
+    #: processor itself, bit for bit; ``"device"`` runs the fast path's kernels on the
+    #: model's device (see docs/models.md).
     preprocess: str = "fast"
     #: How embeddings leave the encoder: ``"zmq"``, ``"mooncake"`` or ``"loopback"``.
     transfer: str = "zmq"

@@ -102,7 +102,7 @@ class TestSetting:
         assert EncoderConfig(preprocess="reference").preprocess == "reference"
 
     def test_unknown_modes_are_refused_naming_the_field(self) -> None:
-        message = r"preprocess must be one of fast, reference; got 'turbo'"
+        message = r"preprocess must be one of fast, reference, device; got 'turbo'"
         with pytest.raises(BadRequestError, match=message):
             EncoderConfig(preprocess="turbo")
         with pytest.raises(BadRequestError, match=message):

@@ -20,6 +20,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 STEPS = [
     "tests",
     "tower",
+    "preprocess",
     "transfer",
     "demo zmq",
     "demo mooncake",
@@ -67,6 +68,14 @@ def test_the_cpu_run_passes_or_skips_every_step_and_writes_its_rows(tmp_path: Pa
     assert tower["shape"]["scaled_down"] is True
     assert {cell["image"] for cell in tower["cells"]} == {"448x448", "1280x720"}
     assert all(cell["images_per_s"] > 0 for cell in tower["cells"])
+
+    preprocess = rows["preprocess"]["figures"]
+    assert [cell["image"] for cell in preprocess["cells"]] == ["1280x720 JPEG", "1920x1080 JPEG"]
+    for cell in preprocess["cells"]:
+        # On the CPU the device mode is the fast mode: the same values and keys.
+        assert (cell["max_abs_diff"], cell["cache_keys_equal"]) == (0.0, True)
+        assert cell["host_images_per_s"] > 0
+        assert cell["device_images_per_s"] > 0
 
     transfer = rows["transfer"]["figures"]
     assert transfer["bytes_equal"] is True

@@ -14,6 +14,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from .._config import PREPROCESS_MODES
+
 __all__ = ["ENV_PREFIX", "FLAGS", "SERVER_KEYS", "Flag", "expected", "fits"]
 
 Kind = Literal["str", "int", "float", "bool", "list"]
@@ -96,6 +98,9 @@ FLAGS: Final[tuple[Flag, ...]] = (
          help="where the model runs: cpu (default), cuda, cuda:1, mps, xpu..."),
     Flag("dtype", "str", "encoder.dtype",
          help="model dtype: bfloat16, float16, float32 or auto (the checkpoint's)"),
+    Flag("preprocess", "str", "encoder.preprocess", PREPROCESS_MODES,
+         help="images and video frames: fast (default; uint8 kernels on the CPU), reference "
+         "(transformers' processor) or device (the fast kernels on --device)"),
     Flag("devices", "list", "server.devices", metavar="LIST",
          help="one device per --dp worker, comma-separated: 0,1 (indexes of --device's type, "
          "CUDA by default) or cuda:0,cuda:1; default with --device cuda: cuda:RANK"),

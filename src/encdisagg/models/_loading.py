@@ -260,7 +260,9 @@ def load_model(
     :param max_video_frames: most frames of one video item.
     :param preprocess: how images and video frames are preprocessed: ``"fast"`` (``uint8``
         resize with torch's antialiased kernels, one normalising pass; grids equal the
-        processor's) or ``"reference"`` (transformers' processor itself). Audio ignores it.
+        processor's), ``"device"`` (the same kernels on ``device``, from one upload of the
+        decoded ``uint8`` pixels) or ``"reference"`` (transformers' processor itself). Audio
+        ignores it.
     :raises BadRequestError: naming ``model`` for an unknown name, a missing folder or an
         unloadable checkpoint; ``dtype``, ``device``, ``preprocess`` or the media field for
         invalid values.

@@ -22,7 +22,8 @@ __all__ = ["ModelOptions", "Preprocessed", "VisionModel", "split_embedding"]
 # same input exactly when their cache keys are, which callers compare directly.
 @dataclass(frozen=True, eq=False)
 class Preprocessed:
-    """The CPU-side result of preprocessing one request's items, ready for ``forward``.
+    """The result of preprocessing one request's items, ready for ``forward``; its tensors
+    are on the CPU (on the model's device where an image model preprocesses there).
 
     :param token_counts: LLM tokens each item becomes, one entry per item.
     :param grid: each item's patch grid (``(t, h, w)`` for the Qwen2-VL family), one per item.

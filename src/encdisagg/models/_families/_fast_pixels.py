@@ -12,6 +12,11 @@ the GIL, so several preprocessing threads run in parallel.
 Sizes come from the same rules as the processors' (``smart_resize``, Kimi's ``navit_size``),
 so grids and token counts are theirs exactly; pixel values differ from theirs only by the
 two implementations' rounding of the resampled ``uint8`` values (a level or two).
+
+The ``"device"`` mode runs the same steps on the model's device: the decoded ``uint8`` frames
+are uploaded once (from pinned memory, without waiting, on CUDA), and everything after runs
+there, so the output is already where the tower reads it. With the CPU as the device it is the
+``"fast"`` mode exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from PIL import Image
 from ..._config import PREPROCESS_MODES
 from ..._errors import BadRequestError
 
-__all__ = ["PREPROCESS_MODES", "FastPixels", "check_mode", "fast_pixels"]
+__all__ = ["PREPROCESS_MODES", "FastPixels", "check_mode", "fast_pixels", "has_uint8_kernels"]
 
 # PIL's resampling filters (PILImageResampling values) torch's antialiased kernels reproduce.
 _MODES: Final = {2: "bilinear", 3: "bicubic"}
@@ -35,16 +40,26 @@ _MODES: Final = {2: "bilinear", 3: "bicubic"}
 _FRAMES_PER_STEP: Final = 8
 
 
-def _uint8_frames(frames: list[Image.Image]) -> torch.Tensor:
-    """RGB frames of one size as a contiguous ``[F, 3, H, W]`` ``uint8`` tensor."""
+def has_uint8_kernels(device: torch.device) -> bool:
+    """Whether torch's antialiased resampling takes ``uint8`` on ``device`` (the CPU only);
+    elsewhere the same filters run on floats, within two levels of the ``uint8`` result."""
+    return device.type == "cpu"
+
+
+def _uint8_frames(frames: list[Image.Image], device: torch.device) -> torch.Tensor:
+    """RGB frames of one size as a contiguous ``[F, 3, H, W]`` ``uint8`` tensor on
+    ``device``. Blocks on the copies (an upload to CUDA is only queued)."""
     width, height = frames[0].size
-    buffer = torch.empty((len(frames), height, width, 3), dtype=torch.uint8)
+    # Pinned for CUDA: the upload is then one DMA queued on the stream; the caching host
+    # allocator keeps the buffer until the copy has run, however soon it is dropped here.
+    pinned = device.type == "cuda"
+    buffer = torch.empty((len(frames), height, width, 3), dtype=torch.uint8, pin_memory=pinned)
     array = buffer.numpy()  # a view: PIL's pixels are copied straight into the tensor
     for number, frame in enumerate(frames):
         array[number] = np.asarray(frame)
     # Planar: the resize runs faster on it, its output comes out planar too, and each patch
-    # row is then a run of contiguous pixels to gather.
-    return buffer.permute(0, 3, 1, 2).contiguous()
+    # row is then a run of contiguous pixels to gather. (On the CPU ``to`` copies nothing.)
+    return buffer.to(device, non_blocking=pinned).permute(0, 3, 1, 2).contiguous()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +73,9 @@ class FastPixels:
     :param patch_size: pixels per patch side.
     :param merge_size: patches per merged token side (Qwen's patch order groups them).
     :param temporal: frames per temporal patch (1 where the model has none).
+    :param preprocess: the setting that chose this path, ``"fast"`` or ``"device"``.
+    :param device: where the kernels run and the outputs live (the CPU for ``"fast"``);
+        ``scale`` and ``bias`` are there too.
     """
 
     mode: str
@@ -66,25 +84,39 @@ class FastPixels:
     patch_size: int
     merge_size: int
     temporal: int
+    preprocess: str
+    device: torch.device
 
     def resized(self, frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``[F, C, H, W]`` ``uint8`` frames resized to ``height`` x ``width``, or the same
-        tensor when it has that size already. Blocks on CPU work (the GIL released)."""
+        tensor when it has that size already. Blocks on CPU work (the GIL released); on
+        another device the kernels are only queued."""
         source_height, source_width = frames.shape[-2:]
         if (source_height, source_width) == (height, width):
             return frames
-        if width > source_width and height < source_height:
-            # Both kernels resample one axis, round to uint8, then the other; torch always
-            # starts with the width, PIL with the height when the width grows and the height
-            # shrinks. The order changes the rounded (and clipped) values by up to a tenth
-            # of the range on noisy images, so PIL's order is kept.
+        both = height != source_height and width != source_width
+        # Both kernels resample one axis, round to uint8, then the other; torch always starts
+        # with the width, PIL with the height when the width grows and the height shrinks.
+        # The order changes the rounded (and clipped) values by up to a tenth of the range
+        # on noisy images, so PIL's order is kept; and where the float kernels stand in for
+        # the uint8 ones, which would resample both axes at once, the passes are made apart.
+        if both and width > source_width and height < source_height:
             frames = self._interpolated(frames, height, source_width)
+        elif both and not has_uint8_kernels(frames.device):
+            frames = self._interpolated(frames, source_height, width)
         return self._interpolated(frames, height, width)
 
     def _interpolated(self, frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        exact = has_uint8_kernels(frames.device)
         resized = torch.nn.functional.interpolate(
-            frames, size=(height, width), mode=self.mode, antialias=True, align_corners=False
+            frames if exact else frames.float(),
+            size=(height, width),
+            mode=self.mode,
+            antialias=True,
+            align_corners=False,
         )
+        if not exact:  # rounded and clipped as the uint8 kernels round and clip each pass
+            resized = resized.round_().clamp_(0, 255).to(torch.uint8)
         return resized.contiguous()  # one canonical layout, whatever the kernel returned
 
     def _normalised(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
@@ -101,9 +133,9 @@ class FastPixels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One image's ``pixel_values`` in Qwen2-VL's layout, resized to ``height`` x
         ``width``: ``[h*w patches, C * temporal * P * P]``, the image in every temporal slot;
-        and the resized ``[1, C, h, w]`` ``uint8`` pixels they follow from. Blocks on CPU
-        work."""
-        resized = self.resized(_uint8_frames([image]), height, width)
+        and the resized ``[1, C, h, w]`` ``uint8`` pixels they follow from, both on
+        :attr:`device`. Blocks on CPU work."""
+        resized = self.resized(_uint8_frames([image], self.device), height, width)
         return self._qwen_patches(resized), resized
 
     def qwen_video(
@@ -111,13 +143,13 @@ class FastPixels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A clip's ``pixel_values`` in the video processors' layout: every frame resized to
         ``height`` x ``width``, consecutive frames paired along time (the last repeated to
-        fill the final temporal patch); and the clip's resized ``uint8`` frames. Blocks on
-        CPU work."""
+        fill the final temporal patch); and the clip's resized ``uint8`` frames, both on
+        :attr:`device`. Blocks on CPU work."""
         count = len(frames)
         padded = -(-count // self.temporal) * self.temporal
-        clip = torch.empty((padded, 3, height, width), dtype=torch.uint8)
+        clip = torch.empty((padded, 3, height, width), dtype=torch.uint8, device=self.device)
         for start in range(0, count, _FRAMES_PER_STEP):
-            chunk = _uint8_frames(frames[start : start + _FRAMES_PER_STEP])
+            chunk = _uint8_frames(frames[start : start + _FRAMES_PER_STEP], self.device)
             clip[start : start + chunk.shape[0]] = self.resized(chunk, height, width)
         if padded > count:
             clip[count:] = clip[count - 1 : count]
@@ -135,7 +167,9 @@ class FastPixels:
         ).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
         rows = grid_t * grid_h * grid_w
         gathered = shaped.reshape(rows, channels, slots, patch * patch)  # uint8, one copy
-        out = torch.empty((rows, channels, temporal, patch * patch), dtype=torch.float32)
+        out = torch.empty(
+            (rows, channels, temporal, patch * patch), dtype=torch.float32, device=self.device
+        )
         self._normalised(gathered, out)  # an image's one slot fills all of them
         return out.view(rows, -1)
 
@@ -144,12 +178,12 @@ class FastPixels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One image's ``pixel_values`` in Kimi-K2.5's layout: resized to ``resized``
         (height, width), zero-padded at the bottom and right to ``padded``, then
-        ``[patches, C, P, P]`` row by row; and the padded ``uint8`` pixels. Blocks on CPU
-        work."""
-        frame = self.resized(_uint8_frames([image]), *resized)[0]
+        ``[patches, C, P, P]`` row by row; and the padded ``uint8`` pixels, both on
+        :attr:`device`. Blocks on CPU work."""
+        frame = self.resized(_uint8_frames([image], self.device), *resized)[0]
         channels = frame.shape[0]
         height, width = padded
-        canvas = torch.zeros((channels, height, width), dtype=torch.uint8)
+        canvas = torch.zeros((channels, height, width), dtype=torch.uint8, device=self.device)
         canvas[:, : resized[0], : resized[1]] = frame
         patch = self.patch_size
         grid_h, grid_w = height // patch, width // patch
@@ -159,7 +193,7 @@ class FastPixels:
             .permute(1, 3, 0, 2, 4)
             .reshape(grid_h * grid_w, channels, patch, patch)
         )
-        out = torch.empty(gathered.shape, dtype=torch.float32)
+        out = torch.empty(gathered.shape, dtype=torch.float32, device=self.device)
         self._normalised(gathered, out)
         return out, canvas
 
@@ -178,17 +212,19 @@ def check_mode(mode: object) -> None:
         )
 
 
-def fast_pixels(processor: Any, mode: str) -> FastPixels | None:
+def fast_pixels(processor: Any, mode: str, device: torch.device | None = None) -> FastPixels | None:
     """The fast path for ``processor``'s settings, or ``None`` where ``mode`` is
     ``"reference"`` or the processor asks for what the fast path does not do (no resize, or a
-    filter other than bicubic or bilinear): such a model keeps the processor. Does not block.
+    filter other than bicubic or bilinear): such a model keeps the processor. It runs on the
+    CPU for ``"fast"``, on ``device`` (the model's; the CPU if ``None``) for ``"device"``.
+    Does not block.
 
     :raises BadRequestError: naming ``preprocess``, for a ``mode`` not in
         :data:`PREPROCESS_MODES`.
     """
     check_mode(mode)
     resample = getattr(processor, "resample", None)
-    if mode != "fast" or not getattr(processor, "do_resize", False):
+    if mode == "reference" or not getattr(processor, "do_resize", False):
         return None
     torch_mode = _MODES.get(int(resample)) if resample is not None else None
     if torch_mode is None:
@@ -203,11 +239,14 @@ def fast_pixels(processor: Any, mode: str) -> FastPixels | None:
         std = np.array(_per_channel(processor.image_std, channels))
         # ((x * rescale) - mean) / std, folded into one multiply-add per element.
         scale, bias = scale / std, -mean / std
+    where = torch.device("cpu") if mode == "fast" or device is None else torch.device(device)
     return FastPixels(
         mode=torch_mode,
-        scale=torch.tensor(scale, dtype=torch.float32),
-        bias=torch.tensor(bias, dtype=torch.float32),
+        scale=torch.tensor(scale, dtype=torch.float32, device=where),
+        bias=torch.tensor(bias, dtype=torch.float32, device=where),
         patch_size=int(processor.patch_size),
         merge_size=int(processor.merge_size),
         temporal=int(getattr(processor, "temporal_patch_size", 1) or 1),
+        preprocess=mode,
+        device=where,
     )

@@ -104,8 +104,8 @@ class KimiVisionModel(TowerModel):
     :param name: the model's name (a built-in name or the checkpoint folder).
     :param media: which media items may be and where they may come from.
     :param limits: the media budgets of a request whose caller passes none.
-    :param preprocess: ``"fast"`` (``uint8`` resize, one normalising pass) or
-        ``"reference"`` (the image processor itself).
+    :param preprocess: ``"fast"`` (``uint8`` resize, one normalising pass), ``"device"``
+        (the same on the encoder's device) or ``"reference"`` (the image processor itself).
     :raises BadRequestError: naming ``model`` if the processor's patch or merge size does
         not match the tower's; ``preprocess`` for another mode.
     """
@@ -156,10 +156,10 @@ class KimiVisionModel(TowerModel):
         self._processors = PerThread(
             image_processor, lambda: Kimi_K25ImageProcessorPil.from_dict(dict(processor_config))
         )
-        self._pixels = fast_pixels(image_processor, preprocess)
+        self._pixels = fast_pixels(image_processor, preprocess, self.device)
         self._identity = identity_digest(
             "kimi_k25",
-            self.preprocess_mode,  # the paths' pixel values differ slightly
+            self._pixels_identity,
             settings_json(_architecture(config.to_dict())),
             settings_json(self._processor_config),
             state_digest(encoder),
@@ -231,7 +231,8 @@ class KimiVisionModel(TowerModel):
         self, pixels: FastPixels, image: Image.Image
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One image's ``(pixel_values, grid_thws, padded uint8 pixels)`` on the fast path,
-        sized by the processor's own rule. Blocks on CPU work."""
+        sized by the processor's own rule; the first and last on the path's device. Blocks
+        on CPU work."""
         rule = self._rule
         resized, padded = navit_size(
             image.height,

@@ -57,7 +57,8 @@ class QwenVisionModel(QwenTower):
     :param limits: the media budgets of a request whose caller passes none (defaults:
         :class:`~._media_limits.MediaLimits`).
     :param preprocess: ``"fast"`` (``uint8`` resize, one normalising pass; see
-        :mod:`~._fast_pixels`) or ``"reference"`` (the image processor itself).
+        :mod:`~._fast_pixels`), ``"device"`` (the same on the tower's device) or
+        ``"reference"`` (the image processor itself).
     :raises BadRequestError: naming ``model`` if ``tower`` is no supported vision tower or the
         processor's patch sizes do not match the tower's; ``preprocess`` for another mode.
     """

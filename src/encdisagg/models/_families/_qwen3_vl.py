@@ -60,7 +60,8 @@ class Qwen3VisionModel(QwenTower):
     :param video_max_pixels: most pixels of a whole video clip after resizing (default
         :data:`QWEN3_VIDEO_MAX_PIXELS`).
     :param limits: the default media budgets.
-    :param preprocess: ``"fast"`` or ``"reference"`` (the image processor itself).
+    :param preprocess: ``"fast"``, ``"device"`` (the fast path on the tower's device) or
+        ``"reference"`` (the image processor itself).
     :raises BadRequestError: naming ``model`` for another tower or mismatched patch sizes,
         ``preprocess`` for another mode.
     """

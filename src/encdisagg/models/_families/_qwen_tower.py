@@ -113,12 +113,10 @@ class QwenTower(TowerModel):
         self._processors = PerThread(
             image_processor, lambda: Qwen2VLImageProcessorPil.from_dict(dict(processor_config))
         )
-        self._pixels = fast_pixels(image_processor, preprocess)
+        self._pixels = fast_pixels(image_processor, preprocess, self.device)
         self._identity = identity_digest(
             model_type,
-            # The two paths' pixel values differ slightly, so their embeddings never share
-            # a cache entry.
-            self.preprocess_mode,
+            self._pixels_identity,
             architecture_json(config.to_dict()),
             settings_json(self._processor_config),
             self._video_identity(),
@@ -209,7 +207,8 @@ class QwenTower(TowerModel):
         self, pixels: FastPixels, image: Image.Image, index: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One image's ``(pixel_values, grid_thw, resized uint8 pixels)`` on the fast path,
-        sized by the processor's own rule. Blocks on CPU work.
+        sized by the processor's own rule; the first and last on the path's device. Blocks
+        on CPU work.
 
         :raises BadRequestError: naming ``mm_items[index]`` for an aspect ratio above 200.
         """

@@ -133,7 +133,8 @@ def fast_clip(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A video's ``pixel_values`` rows, ``(1, 3)`` grid and resized ``uint8`` frames on the
     fast path: every frame resized to ``height`` x ``width`` in batches, laid out as
-    :func:`paired_frames` lays them out. Blocks on CPU work."""
+    :func:`paired_frames` lays them out; the values and frames on ``pixels.device``. Blocks
+    on CPU work."""
     values, clip = pixels.qwen_video(frames, height, width)
     grid_t = -(-len(frames) // pixels.temporal)
     patch = pixels.patch_size

@@ -111,7 +111,9 @@ def pixels_key(
     identity (which names the path and the processor's settings), the grid and each item's
     resized ``uint8`` pixels, in order. The features follow from these exactly, and they are
     an eighth of the features' bytes (images fill two temporal slots of four-byte floats),
-    so the key costs that much less to hash. Blocks on hashing."""
+    so the key costs that much less to hash. Pixels on a device are copied back to hash, so
+    the ``"device"`` mode's keys are the ``"fast"`` mode's. Blocks on hashing and on those
+    copies (which wait for the device's queued work)."""
     digest = hashlib.sha256()
     digest.update(identity.encode())
     digest.update(json.dumps(grid).encode())
@@ -205,7 +207,8 @@ class TowerModel:
     #: The keys of ``Preprocessed.features`` ``preprocess`` writes and ``forward`` reads.
     _feature_keys: tuple[str, str]
     _MODALITIES: ClassVar[frozenset[Modality]]
-    #: The fast image path, or ``None`` where the processor itself runs (``"reference"``).
+    #: The fast image path (on the CPU or the model's device), or ``None`` where the
+    #: processor itself runs (``"reference"``).
     _pixels: FastPixels | None
 
     #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
@@ -246,7 +249,15 @@ class TowerModel:
 
     @property
     def preprocess_mode(self) -> str:
-        """How images are preprocessed: ``"fast"`` or ``"reference"`` (the processor)."""
+        """How images are preprocessed: ``"fast"``, ``"device"`` (the fast path on
+        :attr:`device`) or ``"reference"`` (the processor)."""
+        return "reference" if self._pixels is None else self._pixels.preprocess
+
+    @property
+    def _pixels_identity(self) -> str:
+        # What the identity names: the processor's pixel values differ slightly from the fast
+        # kernels', so those never share a cache entry; on the CPU or a device the kernels
+        # write the same values from the same resized pixels, which the key hashes.
         return "reference" if self._pixels is None else "fast"
 
     @property
@@ -306,7 +317,8 @@ class TowerModel:
     ) -> Preprocessed:
         """An image family's preprocessed request: each item's ``pixel_values`` and grid
         joined, ``tokens`` of each grid row, and the cache key (over ``sources``, the fast
-        path's resized pixels, where the fast path ran). Blocks on hashing."""
+        path's resized pixels, where the fast path ran). The pixel values stay where they
+        were made (the model's device in the ``"device"`` mode). Blocks on hashing."""
         if not grids:
             return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
         grid = torch.cat(grids)
