@@ -5,7 +5,8 @@ many of them; counting jobs does not bound that memory, counting their bytes doe
 count is at ``queued_memory_limit_mb``, new encodes are refused with a 503 (the server adds
 ``Retry-After``), and those admitted earlier wait for room before they preprocess, instead
 of preprocessing more. Bytes are counted from the end of a request's preprocessing to the
-end of its forward. All of it runs on the event loop: no lock.
+end of its forward. All of it runs on the event loop: no lock. The bytes are counted where
+the tensors live: with ``preprocess="device"`` they are the model device's memory.
 """
 
 from __future__ import annotations
