@@ -13,8 +13,8 @@ import pytest
 
 from encdisagg import BadRequestError
 from encdisagg.models import MediaPolicy
-from encdisagg.models._media._audio import AudioBudget, AudioRules, load_audio, resample
 from encdisagg.models._media._limits import MediaLimits
+from encdisagg.models._media._waveforms import AudioBudget, AudioRules, load_audio, resample
 
 from ._audio_samples import RATE, clip, encode, sine
 

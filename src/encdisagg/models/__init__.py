@@ -31,7 +31,7 @@ from ._grids import (
     select_grid as select_grid,
 )
 from ._loading import BUILTIN_MODELS as BUILTIN_MODELS, load_model as load_model
-from ._media._decode import (
+from ._media._pixels import (
     DEFAULT_MAX_MEDIA_BYTES as DEFAULT_MAX_MEDIA_BYTES,
     MediaPolicy as MediaPolicy,
     load_image as load_image,

@@ -118,7 +118,7 @@ def _probe_item(model: object, index: int) -> tuple[str, Modality]:
     """The probe's item and modality: a tiny PNG, or a 0.1 s WAV for a model that encodes
     audio and no images."""
     if ModelOptions.of(model).modalities == frozenset({Modality.AUDIO}):
-        from ..models._media._audio import probe_wav
+        from ..models._media._waveforms import probe_wav
 
         return probe_wav(index), Modality.AUDIO
     return _probe_png(index), Modality.IMAGE

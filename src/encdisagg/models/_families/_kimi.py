@@ -27,8 +27,8 @@ from transformers.models.kimi_k25.modeling_kimi_k25 import (
 from ..._errors import BadRequestError, InternalError
 from ..._modality import Modality
 from .._grids import kimi_grid_tokens
-from .._media._decode import MediaPolicy, load_image
 from .._media._limits import MediaLimits
+from .._media._pixels import MediaPolicy, load_image
 from .._protocol import Preprocessed
 from ._fast_pixels import FastPixels, fast_pixels
 from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule, navit_size

@@ -55,7 +55,7 @@ class QwenVisionModel(QwenTower):
     :param video_max_pixels: most pixels a video frame is resized to (default
         :data:`VIDEO_MAX_PIXELS`).
     :param limits: the media budgets of a request whose caller passes none (defaults:
-        :class:`~._media_limits.MediaLimits`).
+        :class:`~.._media._limits.MediaLimits`).
     :param preprocess: ``"fast"`` (``uint8`` resize, one normalising pass; see
         :mod:`~._fast_pixels`), ``"device"`` (the same on the tower's device) or
         ``"reference"`` (the image processor itself).

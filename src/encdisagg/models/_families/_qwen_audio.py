@@ -3,7 +3,7 @@
 Both take Whisper log-mel features from transformers' ``WhisperFeatureExtractor`` (128 mel
 bins, a 160-sample hop, 30 s windows padded to 3000 frames) and give one token per 40 ms:
 a stride-2 convolution then a stride-2 pooling turn ``L`` feature frames into
-``((L - 1) // 2 + 1 - 2) // 2 + 1`` tokens (:func:`~._grids.qwen2_audio_output_length`,
+``((L - 1) // 2 + 1 - 2) // 2 + 1`` tokens (:func:`~.._grids.qwen2_audio_output_length`,
 the processors' own rule).
 
 - Qwen2-Audio: ``Qwen2AudioEncoder`` over the whole padded window, padding frames masked
@@ -31,9 +31,9 @@ from transformers.masking_utils import create_bidirectional_mask
 from ..._errors import BadRequestError, InternalError
 from ..._modality import Modality
 from .._grids import audio_output_length
-from .._media._audio import AudioBudget, AudioRules, load_audio
 from .._media._limits import MediaLimits
 from .._media._policy import MediaPolicy, item_label
+from .._media._waveforms import AudioBudget, AudioRules, load_audio
 from .._protocol import Preprocessed
 from ._tower import (
     PerThread,

@@ -20,8 +20,8 @@ from ..._errors import BadRequestError
 from ..._modality import Modality
 from ..._video_timing import VideoTiming, video_timing
 from .._grids import grid_tokens
-from .._media._decode import load_image, load_video
 from .._media._limits import MediaLimits, ResizeRule
+from .._media._pixels import load_image, load_video
 from .._media._policy import MediaPolicy, item_label
 from .._media._video_items import video_source
 from .._protocol import Preprocessed

@@ -3,7 +3,7 @@
 Every function here blocks (file reads, decoding, and remote fetches when enabled) and raises
 :class:`~encdisagg.BadRequestError` naming the item, as ``mm_items[i]``, for anything it
 cannot use. Nothing here touches request state; where the items may come from is a
-:class:`MediaPolicy`, how many pixels they may cost a :class:`~._media_limits.PixelBudget`,
+:class:`MediaPolicy`, how many pixels they may cost a :class:`~._limits.PixelBudget`,
 checked against each item's header before it is decoded.
 """
 

@@ -1,6 +1,6 @@
 """Turning request items into waveforms: WAV, FLAC, OGG and MP3 bytes, within budgets.
 
-An audio item is anything :func:`~._media_bytes.item_bytes` reads (raw bytes, a file path, a
+An audio item is anything :func:`~._bytes.item_bytes` reads (raw bytes, a file path, a
 ``data:`` URL, base64, an allow-listed URL, ``{"url", "content_hash"}``) or a 1-D float NumPy
 array already at the model's sampling rate. It becomes one mono ``float32`` waveform at that
 rate: channels are averaged, other rates resampled.
