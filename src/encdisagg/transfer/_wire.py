@@ -81,9 +81,7 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except (KeyError, TypeError):
-        raise BadRequestError(
-            f"embedding header field 'dtype' must be one of {', '.join(_DTYPES)}; got {name!r}"
-        ) from None
+        raise _bad("dtype", f"one of {', '.join(_DTYPES)}", name) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,8 +129,7 @@ class EmbeddingHeader:
             raise _bad("part_idx", f"in [0, num_parts={self.num_parts})", self.part_idx)
         if self.modality not in _MODALITIES:
             raise _bad("modality", f"one of {', '.join(sorted(_MODALITIES))}", self.modality)
-        if self.dtype not in _DTYPES:
-            raise _bad("dtype", f"one of {', '.join(_DTYPES)}", self.dtype)
+        torch_dtype(self.dtype)
         if (self.error is None) != (self.status is None):
             raise BadRequestError(
                 "embedding header fields 'error' and 'status' must be given together",
