@@ -17,7 +17,10 @@ validated message, both ways side by side in one process (the order alternates p
   ``ReplyMessage.decode``, which decode with msgspec now;
 - the ``/encode`` answer a receiver reads (``receiver/_encoder_wire.py``): ``json.loads`` (what
   ``httpx.Response.json`` does) then ``PartMetadata.from_json``, against a JSON Struct;
-- the push header (``transfer/_wire.py``): ``decode_header``, against a msgpack Struct.
+- the push header (``transfer/_wire.py``): ``decode_header``, which decodes with msgspec
+  now (the bytes straight to a private Struct, then the frozen ``EmbeddingHeader`` built
+  and checked as a whole), against a msgpack Struct alone with the same cross-field checks:
+  the price of the public dataclass.
 
 ``pipeline/_pd_messages.py`` has no decoder: its messages are handed over in one process as the
 values they are. Both sides must accept every valid body and refuse a set of broken ones
@@ -228,6 +231,7 @@ def _old_decoders() -> dict[str, Callable[[bytes], object]]:
         "work": work,
         "result": result,
         "part": lambda data: PartMetadata.from_json(json.loads(data)),
+        # msgspec to a private Struct, then the public dataclass built and checked.
         "header": decode_header,
     }
 

@@ -92,20 +92,28 @@ def explain(exc: msgspec.ValidationError, what: str) -> str:
     return f"{field}: {detail}"
 
 
-def convert(value: object, schema: type[T], what: str, error: Callable[[str], Exception]) -> T:
-    """``value`` (plain decoded data) as ``schema``. Not async.
+def convert(
+    value: object,
+    schema: type[T],
+    what: str,
+    error: Callable[[str], Exception],
+    *,
+    from_attributes: bool = False,
+) -> T:
+    """``value`` (plain decoded data, or with ``from_attributes`` an object whose attributes
+    are the fields) as ``schema``. Not async.
 
     :raises Exception: ``error(message)``, the message naming the first invalid field.
     """
     try:
-        return msgspec.convert(value, schema, strict=True)
+        return msgspec.convert(value, schema, strict=True, from_attributes=from_attributes)
     except msgspec.ValidationError as exc:
         raise error(explain(exc, what)) from None
 
 
 def decode(
     decoder: msgspec.json.Decoder[T] | msgspec.msgpack.Decoder[T],
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     what: str,
     error: Callable[[str], Exception],
 ) -> T:
@@ -117,7 +125,8 @@ def decode(
         return decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise error(explain(exc, what)) from None
-    except (msgspec.DecodeError, ValueError) as exc:  # ValueError: an ext_hook refusing
+    # ValueError: an ext_hook refusing; RecursionError: nesting too deep for an ``Any`` field.
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise error(f"{what} is not valid {_format(decoder)}: {exc}") from None
 
 

@@ -1,18 +1,26 @@
-"""The embedding push wire format: a msgpack header frame, then the raw tensor bytes."""
+"""The embedding push wire format: a msgpack header frame, then the raw tensor bytes.
+
+The header is decoded by msgspec from the bytes straight to a strict message (see
+:mod:`encdisagg._strict`), then checked as a whole by :class:`EmbeddingHeader`, whose
+construction applies the same field rules to headers built here.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
-import msgpack
+import msgspec
 import torch
 
+from .. import _strict
 from .._errors import BadRequestError
 from .._modality import Modality
 from .._video_timing import VideoTiming, check_video_timing, timing_from_wire, timing_to_wire
-from ._layout import EmbeddingLayout, bad_field as _bad, short_repr
+from ._layout import EmbeddingLayout, bad_field as _bad
 
 __all__ = [
     "WIRE_VERSION",
@@ -73,29 +81,7 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except (KeyError, TypeError):
-        raise BadRequestError(
-            f"embedding header field 'dtype' must be one of {', '.join(_DTYPES)}; got {name!r}"
-        ) from None
-
-
-def _int(field: str, value: object, minimum: int = 0) -> None:
-    # Exact type: bools are ints to Python, never to this format.
-    if type(value) is not int or value < minimum:
-        raise _bad(field, f"an int >= {minimum}", value)
-
-
-def _str(field: str, value: object) -> None:
-    if type(value) is not str or not value:
-        raise _bad(field, "a non-empty str", value)
-
-
-def _ints(field: str, value: object, length: int | None = None) -> None:
-    requirement = "an array of ints >= 0" if length is None else f"an array of {length} ints >= 0"
-    if type(value) is not tuple or (length is not None and len(value) != length):
-        raise _bad(field, requirement, value)
-    for item in value:
-        if type(item) is not int or item < 0:
-            raise _bad(field, requirement, value)
+        raise _bad("dtype", f"one of {', '.join(_DTYPES)}", name) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,33 +116,26 @@ class EmbeddingHeader:
     traceparent: str | None = None
 
     def __post_init__(self) -> None:
-        if type(self.v) is not int or self.v != WIRE_VERSION:
-            raise _bad("v", f"{WIRE_VERSION} (the only wire version)", self.v)
-        _str("req_id", self.req_id)
-        _int("num_parts", self.num_parts, minimum=1)
-        _int("part_idx", self.part_idx)
+        _check_version(self.v)
+        # Types and bounds are the wire's (one schema for both ways in); tuples keep the
+        # header hashable and equal to its decoded self.
+        _strict.convert(self, _Wire, _WHAT, _refused, from_attributes=True)
+        for name in ("shape", "token_counts", "grid"):
+            if type(getattr(self, name)) is not tuple:
+                raise _bad(name, "a tuple", getattr(self, name))
+        if not all(type(row) is tuple for row in self.grid):
+            raise _bad("grid", "a tuple of tuples", self.grid)
         if self.part_idx >= self.num_parts:
             raise _bad("part_idx", f"in [0, num_parts={self.num_parts})", self.part_idx)
-        if type(self.modality) is not str or self.modality not in _MODALITIES:
+        if self.modality not in _MODALITIES:
             raise _bad("modality", f"one of {', '.join(sorted(_MODALITIES))}", self.modality)
-        _ints("shape", self.shape, length=2)
-        if type(self.dtype) is not str or self.dtype not in _DTYPES:
-            raise _bad("dtype", f"one of {', '.join(_DTYPES)}", self.dtype)
-        _ints("token_counts", self.token_counts)
-        if type(self.grid) is not tuple:
-            raise _bad("grid", "an array of arrays of ints >= 0", self.grid)
-        for item in self.grid:
-            _ints("grid", item)
+        torch_dtype(self.dtype)
         if (self.error is None) != (self.status is None):
             raise BadRequestError(
                 "embedding header fields 'error' and 'status' must be given together",
                 req_id=self.req_id,
             )
-        if self.error is not None:
-            _str("error", self.error)
-            if type(self.status) is not int or not 400 <= self.status <= 599:
-                raise _bad("status", "an HTTP error status (400-599)", self.status)
-        elif sum(self.token_counts) != self.shape[0]:
+        if self.error is None and sum(self.token_counts) != self.shape[0]:
             raise BadRequestError(
                 f"embedding header of req_id {self.req_id!r}: token_counts sum to "
                 f"{sum(self.token_counts)}, but shape has {self.shape[0]} tokens",
@@ -164,7 +143,6 @@ class EmbeddingHeader:
             )
         self._check_video_timing()
         self._check_layout()
-        self._check_traceparent()
 
     def _check_layout(self) -> None:
         # The layout describes a payload: an error part has none, and the columns must add
@@ -183,20 +161,6 @@ class EmbeddingHeader:
                 f"embedding header of req_id {self.req_id!r}: layout has {self.layout.width} "
                 f"columns, but shape is {self.shape[1]} wide",
                 req_id=self.req_id,
-            )
-
-    def _check_traceparent(self) -> None:
-        # Only its shape is checked here: what it says is the tracer's business, and a
-        # malformed one only starts a new trace there.
-        value = self.traceparent
-        if value is not None and (
-            type(value) is not str
-            or not 0 < len(value) <= MAX_TRACEPARENT_CHARS
-            or not value.isascii()
-            or not value.isprintable()
-        ):
-            raise _bad(
-                "traceparent", f"a str of 1 to {MAX_TRACEPARENT_CHARS} ASCII characters", value
             )
 
     def _check_video_timing(self) -> None:
@@ -236,43 +200,77 @@ class ForeignHeader:
     frame: bytes
 
 
-_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(EmbeddingHeader))
-_REQUIRED: Final = frozenset(
-    f.name
-    for f in dataclasses.fields(EmbeddingHeader)
-    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-) | {"v"}
-_OPTIONAL: Final = _FIELDS - _REQUIRED
+_WHAT: Final = "embedding header"
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Text = Annotated[str, msgspec.Meta(min_length=1)]
+# Only its shape is checked: what it says is the tracer's business, and a malformed one only
+# starts a new trace there.
+_Traceparent = Annotated[
+    str,
+    msgspec.Meta(
+        max_length=MAX_TRACEPARENT_CHARS,
+        pattern=_strict.pattern(r"^[\x20-\x7e]+\Z", "printable ASCII characters"),
+    ),
+]
+
+
+class _Wire(_strict.Message, frozen=True, kw_only=True, omit_defaults=True):
+    """The header map as it travels, in field order; ``layout`` and ``video_timing`` are
+    their wire values here (parsed by their own types)."""
+
+    v: int
+    req_id: _Text
+    num_parts: Annotated[int, msgspec.Meta(ge=1)]
+    part_idx: _Count
+    modality: str
+    shape: tuple[_Count, _Count]
+    dtype: str
+    token_counts: tuple[_Count, ...]
+    grid: tuple[tuple[_Count, ...], ...]
+    error: _Text | None = None
+    status: Annotated[int, msgspec.Meta(ge=400, le=599)] | None = None
+    video_timing: Any = None
+    layout: Any = None
+    traceparent: _Traceparent | None = None
+
+
+class _Version(msgspec.Struct):
+    """Only the version of a refused header (other fields ignored): see :func:`decode_header`."""
+
+    v: Any = WIRE_VERSION
+
+
+_DECODER: Final = msgspec.msgpack.Decoder(_Wire, ext_hook=_strict.reject_ext)
+_VERSION: Final = msgspec.msgpack.Decoder(_Version, ext_hook=_strict.reject_ext)
+_NAME: Final = re.compile(r"[a-z_]+")
+
+
+def _check_version(v: object) -> None:
+    if type(v) is not int or v != WIRE_VERSION:
+        raise _bad("v", f"{WIRE_VERSION} (the only wire version)", v)
+
+
+def _refused(message: str) -> BadRequestError:
+    """A refusal worded as the header's other checks word theirs: ``embedding header field
+    'grid'[0] must be ...``."""
+    name = _NAME.match(message)
+    if name is not None and name[0] in _Wire.__struct_fields__:
+        message = f"{_WHAT} field {name[0]!r}{message[name.end() :]}"
+    elif _WHAT not in message:
+        message = f"{_WHAT}: {message}"
+    return BadRequestError(message)
 
 
 def encode_header(header: EmbeddingHeader) -> bytes:
-    """Frame 0 for ``header``: a msgpack map; ``error``/``status`` only for an error part."""
-    fields: dict[str, Any] = {
-        "v": header.v,
-        "req_id": header.req_id,
-        "num_parts": header.num_parts,
-        "part_idx": header.part_idx,
-        "modality": header.modality,
-        "shape": list(header.shape),
-        "dtype": header.dtype,
-        "token_counts": list(header.token_counts),
-        "grid": [list(g) for g in header.grid],
-    }
-    if header.error is not None:
-        fields["error"] = header.error
-        fields["status"] = header.status
-    if header.video_timing is not None:
-        fields["video_timing"] = timing_to_wire(header.video_timing)
-    if header.layout is not None:
-        fields["layout"] = header.layout.to_wire()
-    if header.traceparent is not None:
-        fields["traceparent"] = header.traceparent
-    packed: bytes = msgpack.packb(fields, use_bin_type=True)
-    return packed
-
-
-def _no_ext(code: int, data: bytes) -> object:
-    raise ValueError(f"msgpack extension type {code} is not allowed")
+    """Frame 0 for ``header``: a msgpack map; ``error``/``status`` only for an error part,
+    and each optional field only when given."""
+    timing, layout = header.video_timing, header.layout
+    wire = msgspec.structs.replace(
+        msgspec.convert(header, _Wire, from_attributes=True),
+        video_timing=None if timing is None else timing_to_wire(timing),
+        layout=None if layout is None else layout.to_wire(),
+    )
+    return msgspec.msgpack.encode(wire)
 
 
 def decode_header(data: bytes | bytearray | memoryview) -> EmbeddingHeader:
@@ -288,49 +286,20 @@ def decode_header(data: bytes | bytearray | memoryview) -> EmbeddingHeader:
             f"embedding header is {len(data)} bytes; the limit is {MAX_HEADER_BYTES}"
         )
     try:
-        fields = msgpack.unpackb(
-            data,
-            raw=False,
-            use_list=False,
-            strict_map_key=True,
-            ext_hook=_no_ext,
-            timestamp=0,
-        )
-    except Exception as exc:
-        # msgpack signals bad input with a zoo of exception types (ExtraData, FormatError,
-        # StackError, ValueError, UnicodeDecodeError, TypeError): all of them mean "malformed".
-        raise BadRequestError(f"embedding header is not valid msgpack: {exc}") from None
-    if not isinstance(fields, dict):
-        raise BadRequestError(
-            f"embedding header must be a msgpack map; got {type(fields).__name__}"
-        )
-    unknown = [key for key in fields if key not in _FIELDS]
-    if unknown:
-        raise BadRequestError(
-            f"embedding header has unknown field(s): {short_repr(sorted(map(repr, unknown)))}"
-        )
-    missing = sorted(_REQUIRED - fields.keys())
-    if missing:
-        raise BadRequestError(f"embedding header is missing field(s): {', '.join(missing)}")
-    if fields["v"] != WIRE_VERSION or type(fields["v"]) is not int:
-        # Checked before the rest: a newer version may legitimately differ in any field.
-        raise _bad("v", f"{WIRE_VERSION} (the only wire version)", fields["v"])
-    for key in _OPTIONAL:
-        # An optional field (a data part's error and status, say) may be absent or nil.
-        if key in fields and fields[key] is None:
-            del fields[key]
-    if "layout" in fields:
-        fields["layout"] = EmbeddingLayout.from_wire(fields["layout"])
-    if "video_timing" in fields:
-        fields["video_timing"] = timing_from_wire(
-            fields["video_timing"], field="embedding header field 'video_timing'"
-        )
-    try:
-        return EmbeddingHeader(**fields)
+        wire = _strict.decode(_DECODER, data, _WHAT, _refused)
     except BadRequestError:
+        # A newer version may legitimately differ in any field: that is the news to tell.
+        with contextlib.suppress(msgspec.DecodeError, ValueError, RecursionError):
+            _check_version(_VERSION.decode(data).v)
         raise
-    except Exception as exc:  # pragma: no cover - every field is type-checked above
-        raise BadRequestError(f"embedding header is invalid: {exc}") from None
+    fields = msgspec.structs.asdict(wire)
+    if wire.layout is not None:
+        fields["layout"] = EmbeddingLayout.from_wire(wire.layout)
+    if wire.video_timing is not None:
+        fields["video_timing"] = timing_from_wire(
+            wire.video_timing, field="embedding header field 'video_timing'"
+        )
+    return EmbeddingHeader(**fields)
 
 
 def payload_nbytes(header: EmbeddingHeader) -> int:
