@@ -152,15 +152,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         try:
             self._results = IpcSocket(context, zmq.PULL, results_url, bind=True)
             for rank in range(self._size):
-                self._workers.append(
-                    DpWorker(
-                        rank,
-                        IpcSocket(context, zmq.PUSH, f"ipc://{directory}/work-{rank}", bind=True),
-                        IpcSocket(
-                            context, zmq.PUSH, f"ipc://{directory}/control-{rank}", bind=True
-                        ),
-                    )
-                )
+                self._workers.append(DpWorker(rank, *self._channels(str(rank))))
             devices = self.settings.worker_devices or (self.config.device,) * self._size
             if len(devices) != self._size:
                 raise ValueError(f"worker_devices lists {len(devices)} for {self._size} workers")
@@ -204,13 +196,17 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     def _new_channels(self, worker: DpWorker) -> tuple[IpcSocket, IpcSocket]:
         """Work and control channels for a new process of ``worker``'s rank: new
         endpoints, so nothing queued for the dead process reaches the new one."""
+        return self._channels(f"{worker.rank}-{worker.restarts + 1}")
+
+    def _channels(self, suffix: str) -> tuple[IpcSocket, IpcSocket]:
+        """A worker's work and control channels, bound on endpoints named by ``suffix``."""
         assert self._channel_source is not None
         context, directory = self._channel_source
-        suffix = f"{worker.rank}-{worker.restarts + 1}"
-        return (
-            IpcSocket(context, zmq.PUSH, f"ipc://{directory}/work-{suffix}", bind=True),
-            IpcSocket(context, zmq.PUSH, f"ipc://{directory}/control-{suffix}", bind=True),
+        work, control = (
+            IpcSocket(context, zmq.PUSH, f"ipc://{directory}/{kind}-{suffix}", bind=True)
+            for kind in ("work", "control")
         )
+        return work, control
 
     # -- the result listener ------------------------------------------------------------------
 

@@ -64,8 +64,6 @@ class DpWorker:
     exited: anyio.Event = field(default_factory=anyio.Event)
     #: How often this rank's process was started again.
     restarts: int = 0
-    #: The front gave up restarting it.
-    given_up: bool = False
 
     def describe(self) -> str:
         return f"data-parallel worker {self.rank}" + (f" (pid {self.pid})" if self.pid else "")
@@ -286,7 +284,6 @@ class WorkerSupervisor:
         """Start a dead worker again after its backoff, or give up on it. Synchronous."""
         delay = self._policy.on_death(worker.rank, anyio.current_time())
         if delay is None or self._channels is None or self._spawn_args is None:
-            worker.given_up = True
             _log.error(
                 "giving up on data-parallel worker %s: it died %s time(s) within %s s; the "
                 "other workers go on serving",

@@ -45,10 +45,8 @@ class SglangWire:
         Entering is a checkpoint; leaving unregisters first, then closes the service.
         """
         service = self._service
-        backend = service.backend
-        if backend is None:
-            raise ServiceUnavailableError("the encoder service is not running")
         settings = service.settings
+        backend = service.require_backend()
         async with SglangService(backend, service.config, peers=service.peers) as sglang:
             self.sglang = sglang
             try:
