@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 
 import sniffio
 
+from ...nurseries import leaf_exceptions
 from ._middleware import App, Middleware, Receive, Scope, Send
 
 __all__ = ["ServiceLifespan"]
@@ -28,9 +29,7 @@ class _Service(Protocol):
 
 def _describe(exc: BaseException) -> str:
     """``exc``'s message; for an exception group, its leaves' messages."""
-    if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe(inner) for inner in exc.exceptions)
-    return str(exc) or type(exc).__name__
+    return "; ".join(str(leaf) or type(leaf).__name__ for leaf in leaf_exceptions(exc))
 
 
 def _loop_mismatch(expected: str | None) -> str | None:

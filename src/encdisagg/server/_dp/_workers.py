@@ -174,32 +174,22 @@ class WorkerSupervisor:
         self._spawn_args = (results_url, backend_name, group)
         self._config_files[worker.rank] = config_file
         settings = self._settings
-        command = [
-            *self._command,
-            "--rank",
-            str(worker.rank),
-            "--work",
-            worker.work.url,
-            "--control",
-            worker.control.url,
-            "--results",
-            results_url,
-            "--config-file",
-            str(config_file),
-            "--backend",
-            backend_name,
-            "--parent-pid",
-            str(os.getpid()),
-            "--health-timeout",
-            str(settings.health_timeout_s),
-            "--max-inflight",
-            str(settings.worker_max_inflight),
-            "--log-level",
-            settings.worker_log_level,
-            "--log-format",
-            settings.worker_log_format,
-            *(("--freeze-heap",) if settings.freeze_heap else ()),
-        ]
+        options: dict[str, object] = {
+            "--rank": worker.rank,
+            "--work": worker.work.url,
+            "--control": worker.control.url,
+            "--results": results_url,
+            "--config-file": config_file,
+            "--backend": backend_name,
+            "--parent-pid": os.getpid(),
+            "--health-timeout": settings.health_timeout_s,
+            "--max-inflight": settings.worker_max_inflight,
+            "--log-level": settings.worker_log_level,
+            "--log-format": settings.worker_log_format,
+        }
+        command = [*self._command, *(str(part) for option in options.items() for part in option)]
+        if settings.freeze_heap:
+            command.append("--freeze-heap")
         env = dict(os.environ)
         root = _package_root()
         env["PYTHONPATH"] = os.pathsep.join(
