@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from typing import Any, Final
 
 from .._logs import CURRENT_REQUEST, RequestContext
+from ._listen import host_port
 from ._middleware import App, Middleware, Receive, Scope, Send
 
 __all__ = ["ACCESS_LOGGER", "AccessLog"]
@@ -124,6 +125,5 @@ def _address(client: object) -> str:
     """``host:port`` of the ASGI ``client`` pair, ``-`` when the server does not know it (a
     Unix socket)."""
     if isinstance(client, (list, tuple)) and len(client) == 2:
-        host, port = client
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        return host_port(str(client[0]), client[1])
     return "-"

@@ -20,7 +20,7 @@ import sniffio
 from hypercorn.config import Config as HypercornConfig
 
 from ._eof_close import install_eof_close
-from ._listen import bind_socket
+from ._listen import bind_socket, host_port
 from ._middleware import App, Middleware, Receive, Scope, Send
 from ._read_turns import install_read_turns, read_turns_from_env
 
@@ -44,8 +44,7 @@ def _hypercorn_error_log() -> logging.Logger:
 
 def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}"
+    return f"http://{host_port(host, port)}"
 
 
 class _WatchStartup(Middleware):

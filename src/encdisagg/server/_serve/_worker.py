@@ -173,25 +173,21 @@ class _Worker:
         reply: ReplyMessage | None = None
         try:
             with scope:
+                value: Any = None
+                error: EncdisaggError | None = None
                 try:
                     with _call_span(message):
                         value = await self._execute(message)
                 except EncdisaggError as exc:
-                    reply = ReplyMessage("result", self.rank, id=message.id, error=exc)
+                    error = exc
                 except Exception as exc:
                     _log.exception("worker %s: %s call failed unexpectedly", self.rank, message.op)
                     req_id = message.args.get("req_id")
-                    reply = ReplyMessage(
-                        "result",
-                        self.rank,
-                        id=message.id,
-                        error=InternalError(
-                            f"{message.op} failed unexpectedly: {exc!r}",
-                            req_id=req_id if isinstance(req_id, str) else None,
-                        ),
+                    error = InternalError(
+                        f"{message.op} failed unexpectedly: {exc!r}",
+                        req_id=req_id if isinstance(req_id, str) else None,
                     )
-                else:
-                    reply = ReplyMessage("result", self.rank, id=message.id, value=value)
+                reply = ReplyMessage("result", self.rank, id=message.id, value=value, error=error)
         finally:
             self._calls.pop(message.id, None)
             self._unmark_encoding(encoding)
