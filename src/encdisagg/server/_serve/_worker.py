@@ -272,12 +272,11 @@ async def _serve(args: argparse.Namespace, config: EncoderConfig) -> None:
     context: zmq.Context[Any] = zmq.Context()
     sockets: list[IpcSocket] = []
     try:
-        work = IpcSocket(context, zmq.PULL, args.work, bind=False)
-        sockets.append(work)
-        control = IpcSocket(context, zmq.PULL, args.control, bind=False)
-        sockets.append(control)
-        results = IpcSocket(context, zmq.PUSH, args.results, bind=False)
-        sockets.append(results)
+        sockets.extend(
+            IpcSocket(context, zmq.PULL, url, bind=False) for url in (args.work, args.control)
+        )
+        sockets.append(IpcSocket(context, zmq.PUSH, args.results, bind=False))
+        work, control, results = sockets
         opened = False
         try:
             async with LocalBackend(
