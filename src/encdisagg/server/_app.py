@@ -149,24 +149,28 @@ def mount_encoder(
         blueprint.add_url_rule(path, path.strip("/"), view, methods=["POST"])
 
     routes = dict(_ROUTES)
+    # GET, without the API key: the probes and the scrape.
+    probes = {
+        "/health": service.health,
+        "/health/live": service.live,
+        "/health/ready": service.ready,
+        "/metrics": service.render_metrics,
+    }
     if service.settings.wire == "sglang":  # SGLang's language side talks to us (docs/sglang.md)
-        routes.update(mount_sglang(app, blueprint, service))
+        routes.update(mount_sglang(app, service))
+        probes["/health_generate"] = service.health
     elif service.settings.wire == "vllm":  # vLLM's encoder proxy calls us (docs/vllm.md)
         routes.update(mount_vllm(app, blueprint, service))
     for path, call in routes.items():
         add_route(path, call)
-    blueprint.add_url_rule("/health", "health", service.health, methods=["GET"])
-    blueprint.add_url_rule("/health/live", "health_live", service.live, methods=["GET"])
-    blueprint.add_url_rule("/health/ready", "health_ready", service.ready, methods=["GET"])
-    blueprint.add_url_rule("/metrics", "metrics", service.render_metrics, methods=["GET"])
+    for path, probe in probes.items():
+        blueprint.add_url_rule(path, path.strip("/").replace("/", "_"), probe, methods=["GET"])
     app.register_blueprint(blueprint)
     if app.config.get("MAX_CONTENT_LENGTH") is None:
         app.config["MAX_CONTENT_LENGTH"] = service.settings.max_body_bytes
     app.extensions[_EXTENSION] = service
     prefix = (url_prefix or "").rstrip("/")
-    paths = [*routes, "/health", "/health/live", "/health/ready", "/metrics"]
-    if service.settings.wire == "sglang":
-        paths.append("/health_generate")
+    paths = [*routes, *probes]
     app.asgi_app = AccessLog(  # type: ignore[method-assign,assignment]
         ClientWatch(ServiceLifespan(app.asgi_app, service, loop=_loop_of(app)), service),
         routes=[prefix + path for path in paths],

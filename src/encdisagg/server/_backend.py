@@ -20,7 +20,7 @@ import anyio
 import anyio.lowlevel
 
 from .._config import EncoderConfig
-from .._errors import EncdisaggError, ServiceUnavailableError
+from .._errors import EncdisaggError
 from .._modality import Modality
 from ..encoder import Encoder, EncodeRequest, EncodeResult
 from ..models import ModelOptions, NullVisionModel, VisionModel
@@ -29,7 +29,7 @@ from ._heap import freeze_startup_heap
 from ._messages import EncodeBody, MetadataBody, ReceiveUrlBody, SendBody
 from ._metrics import PROBING, EncoderMetrics, ServiceSnapshot
 
-__all__ = ["Backend", "HealthReport", "LocalBackend", "server_model"]
+__all__ = ["Backend", "HealthReport", "LocalBackend", "release_within", "server_model"]
 
 _log = logging.getLogger("encdisagg.server")
 
@@ -93,6 +93,19 @@ class Backend(Protocol):
     async def health(self) -> HealthReport: ...
 
     async def snapshot(self) -> ServiceSnapshot: ...
+
+
+async def release_within(
+    backend: Backend, req_id: str, timeout_s: float, log: logging.Logger
+) -> None:
+    """Release ``req_id`` on ``backend``, giving up after ``timeout_s``; a failure is logged
+    on ``log``, never raised. A checkpoint; callers shield it where a cancellation must not
+    cut the release short."""
+    try:
+        with anyio.move_on_after(timeout_s):
+            await backend.release(req_id)
+    except EncdisaggError as exc:
+        log.warning("releasing req_id %r failed: %s", req_id, exc)
 
 
 def _probe_png(index: int) -> str:
@@ -287,14 +300,5 @@ class LocalBackend(anyio.AsyncContextManagerMixin):
             if self._probe is probe:
                 self._probe = None
             probe.done.set()
-            with anyio.move_on_after(self._health_timeout_s, shield=True):
-                try:
-                    await self.encoder.release(req_id)
-                except EncdisaggError as exc:
-                    _log.warning("releasing health probe %s failed: %s", req_id, exc)
-
-
-def ensure_open(backend: object) -> None:
-    """:raises ServiceUnavailableError: if no backend is running."""
-    if backend is None:
-        raise ServiceUnavailableError("the encoder service is not running")
+            with anyio.CancelScope(shield=True):
+                await release_within(self, req_id, self._health_timeout_s, _log)

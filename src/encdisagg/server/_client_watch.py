@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,8 +28,8 @@ from quart import request
 from werkzeug.exceptions import RequestTimeout
 
 from .._config import EncoderConfig
-from .._errors import EncdisaggError
-from ._backend import Backend
+from ._asgi._middleware import App, Middleware, Receive, Scope, Send
+from ._backend import Backend, release_within
 
 __all__ = ["ClientWatch", "note_staged", "read_body"]
 
@@ -74,26 +73,20 @@ def note_staged(req_id: str) -> None:
         exchange.staged = req_id
 
 
-class ClientWatch:
+class ClientWatch(Middleware):
     """ASGI middleware: releases what an exchange staged for a client that left.
 
     :param service: the encoder service whose backend staged the requests; a release is
         bounded by its ``cleanup_timeout_s``.
     """
 
-    def __init__(self, app: Callable[..., Awaitable[None]], service: _Service) -> None:
-        self._app = app
+    scope_type = "http"
+
+    def __init__(self, app: App, service: _Service) -> None:
+        super().__init__(app)
         self._service = service
 
-    async def __call__(
-        self,
-        scope: MutableMapping[str, Any],
-        receive: Callable[[], Awaitable[Any]],
-        send: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         exchange = _Exchange()
         token = _CURRENT.set(exchange)
 
@@ -114,20 +107,12 @@ class ClientWatch:
             await self._app(scope, watched_receive, watched_send)
         finally:
             _CURRENT.reset(token)
-            if exchange.staged is not None and exchange.abandoned:
+            backend = self._service.backend  # None: the service closed, releasing everything
+            if exchange.staged is not None and exchange.abandoned and backend is not None:
+                req_id, timeout_s = exchange.staged, self._service.config.cleanup_timeout_s
+                _log.info("req_id %r: its client left before the answer; releasing it", req_id)
                 with anyio.CancelScope(shield=True):
-                    await self._release(exchange.staged)
-
-    async def _release(self, req_id: str) -> None:
-        backend = self._service.backend
-        if backend is None:
-            return  # the service closed, and released everything
-        _log.info("req_id %r: its client left before the answer; releasing it", req_id)
-        try:
-            with anyio.move_on_after(self._service.config.cleanup_timeout_s):
-                await backend.release(req_id)
-        except EncdisaggError as exc:
-            _log.warning("releasing req_id %r of a client that left failed: %s", req_id, exc)
+                    await release_within(backend, req_id, timeout_s, _log)
 
 
 async def read_body() -> bytes:

@@ -21,7 +21,6 @@ from typing import Final, Literal
 
 __all__ = [
     "CURRENT_REQUEST",
-    "LOG_FORMATS",
     "LogFormat",
     "JsonFormatter",
     "RequestContext",
@@ -33,7 +32,6 @@ __all__ = [
 ]
 
 LogFormat = Literal["text", "json"]
-LOG_FORMATS: Final = ("text", "json")
 #: Fields an access record carries (``extra=``); the JSON formatter writes them as keys.
 _ACCESS_FIELDS: Final = (
     "client",

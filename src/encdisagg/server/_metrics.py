@@ -322,7 +322,7 @@ class ServerMetrics:
         self._http_latency: dict[tuple[str, str], _Histogram] = {}
         self._info: dict[str, str] = {"version": __version__}
         self._latest = ServiceSnapshot(MetricsSnapshot.merge(()))
-        self.registry.register(_Collector(self))
+        self.registry.register(self)
         # This process's CPU, memory and open files (process_*); the data-parallel
         # workers' own come from the front's scrape of their /proc entries.
         ProcessCollector(registry=self.registry)
@@ -352,7 +352,8 @@ class ServerMetrics:
         """The Prometheus text exposition of this registry. Not async."""
         return generate_latest(self.registry)
 
-    def _families(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Metric]:
+        """The families of :attr:`registry` (its collector is this object). Not async."""
         latest = self._latest
         snapshot = latest.encoder
         yield from self._service_families()
@@ -458,11 +459,3 @@ def _buckets(hist: _Histogram) -> list[tuple[str, float]]:
         cumulative += count
         buckets.append((bound, cumulative))
     return buckets
-
-
-class _Collector:
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self._metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        return self._metrics._families()

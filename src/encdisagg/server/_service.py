@@ -189,7 +189,11 @@ class EncoderService:
                 req_id=req_id if isinstance(req_id, str) else None,
             )
 
-    def _require_backend(self) -> Backend:
+    def require_backend(self) -> Backend:
+        """The running backend. Not async.
+
+        :raises ServiceUnavailableError: outside the app's lifespan.
+        """
         if self._backend is None:
             raise ServiceUnavailableError("the encoder service is not running")
         return self._backend
@@ -208,7 +212,7 @@ class EncoderService:
             body = await read_json(self.settings.max_body_bytes, self._decode_limiter)
             if isinstance(body, dict):
                 note_req_id(body.get("req_id"))
-            backend = self._require_backend()
+            backend = self.require_backend()
             self.admit(route, body)
             response = json_response(await call(self, backend, body))
         except EncdisaggError as exc:
@@ -224,7 +228,7 @@ class EncoderService:
     async def health(self) -> Response:
         """``GET /health``: 200 when the model answers a probe (or is busy), else 503."""
         try:
-            report = await self._require_backend().health()
+            report = await self.require_backend().health()
         except EncdisaggError as exc:
             response = error_response(503, public_message(exc.message), None)
         except Exception:

@@ -16,6 +16,15 @@ from ._access import ApiKey, PeerAllowList
 
 __all__ = ["ServerSettings", "canonical_dtype"]
 
+#: The integer settings: at least 1, but ``worker_restart_limit`` (0: never restart).
+_COUNTS: Final = (
+    "dp",
+    "max_body_bytes",
+    "worker_max_inflight",
+    "ready_min_workers",
+    "worker_restart_limit",
+    "vllm_store_max_bytes",
+)
 #: vLLM's EC connectors this server produces for: shared storage, and the Mooncake push.
 _VLLM_CONNECTORS: Final = ("example", "mooncake")
 
@@ -132,9 +141,10 @@ class ServerSettings:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("dp", "max_body_bytes", "worker_max_inflight", "ready_min_workers"):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ConfigError(f"{f.name} must be an integer >= 1; got {value!r}")
+            if f.name in _COUNTS:
+                least = 0 if f.name == "worker_restart_limit" else 1
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise ConfigError(f"{f.name} must be an integer >= {least}; got {value!r}")
             elif f.name.endswith("_s"):
                 if value is None and f.name == "worker_stop_timeout_s":
                     continue
@@ -195,12 +205,9 @@ class ServerSettings:
                 raise ConfigError(f"{name} must be an http(s):// URL; got {url!r}")
         if self.register_with is not None and self.wire != "sglang":
             raise ConfigError("register_with needs wire='sglang'")
-        limit: object = self.worker_restart_limit
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ConfigError(f"worker_restart_limit must be an integer >= 0; got {limit!r}")
 
     def _check_vllm(self) -> None:
-        # The vllm_* values; their *_s bounds are checked with the other settings'.
+        # The vllm_* values; their *_s bounds and byte budget are checked with the others'.
         if self.vllm_connector not in _VLLM_CONNECTORS:
             raise ConfigError(
                 f"vllm_connector must be one of {', '.join(_VLLM_CONNECTORS)}; "
@@ -209,9 +216,6 @@ class ServerSettings:
         path: object = self.vllm_storage_path
         if path is not None and (not isinstance(path, str) or not path.strip()):
             raise ConfigError(f"vllm_storage_path must be a folder; got {path!r}")
-        budget: object = self.vllm_store_max_bytes
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ConfigError(f"vllm_store_max_bytes must be an integer >= 1; got {budget!r}")
         check_dtype(self.vllm_dtype, "vllm_dtype", _VLLM_DTYPES)
         if self.wire == "vllm" and self.vllm_connector == "example" and path is None:
             raise ConfigError(

@@ -10,11 +10,13 @@ before the service opens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, Protocol
 
 import sniffio
+
+from ...nurseries import leaf_exceptions
+from ._middleware import App, Middleware, Receive, Scope, Send
 
 __all__ = ["ServiceLifespan"]
 
@@ -27,9 +29,7 @@ class _Service(Protocol):
 
 def _describe(exc: BaseException) -> str:
     """``exc``'s message; for an exception group, its leaves' messages."""
-    if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe(inner) for inner in exc.exceptions)
-    return str(exc) or type(exc).__name__
+    return "; ".join(str(leaf) or type(leaf).__name__ for leaf in leaf_exceptions(exc))
 
 
 def _loop_mismatch(expected: str | None) -> str | None:
@@ -51,33 +51,23 @@ def _loop_mismatch(expected: str | None) -> str | None:
     )
 
 
-class ServiceLifespan:
+class ServiceLifespan(Middleware):
     """ASGI middleware: runs the app's lifespan inside ``service.open()``.
 
     :param loop: the event loop the app's class runs on (``"asyncio"`` for Quart, ``"trio"``
         for QuartTrio); a server running another fails the startup in one line.
     """
 
+    scope_type = "lifespan"
+
     def __init__(
-        self,
-        app: Callable[..., Awaitable[None]],
-        service: _Service,
-        *,
-        loop: Literal["asyncio", "trio"] | None = None,
+        self, app: App, service: _Service, *, loop: Literal["asyncio", "trio"] | None = None
     ) -> None:
-        self._app = app
+        super().__init__(app)
         self._service = service
         self._loop = loop
 
-    async def __call__(
-        self,
-        scope: MutableMapping[str, Any],
-        receive: Callable[[], Awaitable[Any]],
-        send: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        if scope["type"] != "lifespan":
-            await self._app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         first = await receive()
         replay = [first]
         started = False

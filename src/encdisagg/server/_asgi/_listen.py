@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["bind_socket"]
+__all__ = ["bind_socket", "host_port"]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -23,3 +23,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     )
     sock.setblocking(False)
     return sock
+
+
+def host_port(host: str, port: object) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::1]:8000``). Not async."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, MutableMapping
+from collections.abc import Callable, Collection
 from typing import Any, Final
 
 from .._logs import CURRENT_REQUEST, RequestContext
+from ._listen import host_port
+from ._middleware import App, Middleware, Receive, Scope, Send
 
 __all__ = ["ACCESS_LOGGER", "AccessLog"]
 
@@ -32,7 +34,7 @@ _DROPPED: Final = 444
 _log = logging.getLogger(ACCESS_LOGGER)
 
 
-class AccessLog:
+class AccessLog(Middleware):
     """ASGI middleware: logs one line per HTTP request to ``encdisagg.server.access``.
 
     :param routes: the paths logged as themselves; any other is logged as ``unmatched``.
@@ -42,28 +44,22 @@ class AccessLog:
         without a response then is logged as dropped by the server (444), not 499.
     """
 
+    scope_type = "http"
+
     def __init__(
         self,
-        app: Callable[..., Awaitable[None]],
+        app: App,
         routes: Collection[str],
         *,
         observe: Callable[[str, int, float], None] | None = None,
         dropped: Callable[[], bool] | None = None,
     ) -> None:
-        self._app = app
+        super().__init__(app)
         self._routes = frozenset(routes)
         self._observe = observe
         self._dropped = dropped
 
-    async def __call__(
-        self,
-        scope: MutableMapping[str, Any],
-        receive: Callable[[], Awaitable[Any]],
-        send: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = RequestContext()
         token = CURRENT_REQUEST.set(context)
         status = _NO_RESPONSE
@@ -129,6 +125,5 @@ def _address(client: object) -> str:
     """``host:port`` of the ASGI ``client`` pair, ``-`` when the server does not know it (a
     Unix socket)."""
     if isinstance(client, (list, tuple)) and len(client) == 2:
-        host, port = client
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        return host_port(str(client[0]), client[1])
     return "-"

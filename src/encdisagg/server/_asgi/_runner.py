@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import anyio
@@ -20,7 +20,8 @@ import sniffio
 from hypercorn.config import Config as HypercornConfig
 
 from ._eof_close import install_eof_close
-from ._listen import bind_socket
+from ._listen import bind_socket, host_port
+from ._middleware import App, Middleware, Receive, Scope, Send
 from ._read_turns import install_read_turns, read_turns_from_env
 
 __all__ = ["bind_socket", "serve"]
@@ -43,27 +44,19 @@ def _hypercorn_error_log() -> logging.Logger:
 
 def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}"
+    return f"http://{host_port(host, port)}"
 
 
-class _WatchStartup:
+class _WatchStartup(Middleware):
     """ASGI middleware that calls ``on_started`` once the lifespan startup completed."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], on_started: Callable[[], None]):
-        self._app = app
+    scope_type = "lifespan"
+
+    def __init__(self, app: App, on_started: Callable[[], None]):
+        super().__init__(app)
         self._on_started = on_started
 
-    async def __call__(
-        self,
-        scope: MutableMapping[str, Any],
-        receive: Callable[[], Awaitable[Any]],
-        send: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        if scope["type"] != "lifespan":
-            await self._app(scope, receive, send)
-            return
-
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watched_send(message: Any) -> None:
             await send(message)
             if message["type"] == "lifespan.startup.complete":

@@ -43,9 +43,6 @@ class PendingCalls:
         self._calls: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
 
-    def __len__(self) -> int:
-        return len(self._calls)
-
     def on_reply(self, message: ReplyMessage) -> None:
         """Hand a worker's reply to the call waiting for it. Synchronous; a reply nobody
         waits for (the caller left, or the rank is not the call's) is dropped."""

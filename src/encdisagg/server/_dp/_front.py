@@ -25,8 +25,9 @@ import sys
 import tempfile
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -42,6 +43,7 @@ from .._messages import (
     EncodeBody,
     MetadataBody,
     ReceiveUrlBody,
+    ReleaseBody,
     SendBody,
     result_from_wire,
 )
@@ -61,6 +63,17 @@ _log = logging.getLogger("encdisagg.server.dp")
 _MAX_IPC_DIR: Final = 80
 #: Bound on a ``stats`` call to one worker (for /metrics).
 _STATS_TIMEOUT_S: Final = 5.0
+#: The calls whose worker, once the caller left (timed out or cancelled), releases the request.
+_RELEASE_ON_ABORT: Final = frozenset({"encode", "send", "release"})
+
+
+class _Body(Protocol):
+    """A route's body, as a call carries it to a worker."""
+
+    @property
+    def req_id(self) -> str: ...
+
+    def to_wire(self) -> dict[str, Any]: ...
 
 
 class DataParallelBackend(anyio.AsyncContextManagerMixin):
@@ -152,15 +165,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         try:
             self._results = IpcSocket(context, zmq.PULL, results_url, bind=True)
             for rank in range(self._size):
-                self._workers.append(
-                    DpWorker(
-                        rank,
-                        IpcSocket(context, zmq.PUSH, f"ipc://{directory}/work-{rank}", bind=True),
-                        IpcSocket(
-                            context, zmq.PUSH, f"ipc://{directory}/control-{rank}", bind=True
-                        ),
-                    )
-                )
+                self._workers.append(DpWorker(rank, *self._channels(str(rank))))
             devices = self.settings.worker_devices or (self.config.device,) * self._size
             if len(devices) != self._size:
                 raise ValueError(f"worker_devices lists {len(devices)} for {self._size} workers")
@@ -204,13 +209,17 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
     def _new_channels(self, worker: DpWorker) -> tuple[IpcSocket, IpcSocket]:
         """Work and control channels for a new process of ``worker``'s rank: new
         endpoints, so nothing queued for the dead process reaches the new one."""
+        return self._channels(f"{worker.rank}-{worker.restarts + 1}")
+
+    def _channels(self, suffix: str) -> tuple[IpcSocket, IpcSocket]:
+        """A worker's work and control channels, bound on endpoints named by ``suffix``."""
         assert self._channel_source is not None
         context, directory = self._channel_source
-        suffix = f"{worker.rank}-{worker.restarts + 1}"
-        return (
-            IpcSocket(context, zmq.PUSH, f"ipc://{directory}/work-{suffix}", bind=True),
-            IpcSocket(context, zmq.PUSH, f"ipc://{directory}/control-{suffix}", bind=True),
+        work, control = (
+            IpcSocket(context, zmq.PUSH, f"ipc://{directory}/{kind}-{suffix}", bind=True)
+            for kind in ("work", "control")
         )
+        return work, control
 
     # -- the result listener ------------------------------------------------------------------
 
@@ -248,18 +257,11 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
 
     # -- calls ---------------------------------------------------------------------------------
 
-    async def _call(
-        self,
-        rank: int,
-        op: WorkOp,
-        args: dict[str, Any],
-        *,
-        req_id: str | None,
-        limit_s: float,
-        release_on_abort: bool = False,
-    ) -> Any:
-        """:meth:`PendingCalls.call` on worker ``rank``, if it is alive and (for a call on
-        a request) still the process that took it. A checkpoint."""
+    async def _call(self, rank: int, op: WorkOp, body: _Body | None, limit_s: float) -> Any:
+        """:meth:`PendingCalls.call` of ``body`` (``None``: a call on no request) on worker
+        ``rank``, if it is alive and (for a call on a request) still the process that took
+        it. A checkpoint; an encode, send or release cut short has the worker release it."""
+        req_id = None if body is None else body.req_id
         worker = self._workers[rank]
         if op != "encode" and req_id is not None and self._router.is_lost(req_id):
             raise ServiceUnavailableError(
@@ -268,8 +270,10 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                 req_id=req_id,
             )
         worker.require_alive(req_id)
+        args = {} if body is None else body.to_wire()
+        release = op in _RELEASE_ON_ABORT
         return await self._pending.call(
-            worker, op, args, req_id=req_id, limit_s=limit_s, release_on_abort=release_on_abort
+            worker, op, args, req_id=req_id, limit_s=limit_s, release_on_abort=release
         )
 
     @property
@@ -281,14 +285,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         Cancelled or timed out, the worker releases the request."""
         body.to_request()  # validate before choosing a worker
         rank = self._router.route_encode(body.req_id)
-        value = await self._call(
-            rank,
-            "encode",
-            body.to_wire(),
-            req_id=body.req_id,
-            limit_s=self.config.request_timeout_s,
-            release_on_abort=True,
-        )
+        value = await self._call(rank, "encode", body, self.config.request_timeout_s)
         return self._result(value, body.req_id)
 
     async def send(self, body: SendBody) -> None:
@@ -299,28 +296,17 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         rank = self._router.route_of(body.req_id)
         if rank is None:
             raise NotFoundError(f"req_id {body.req_id!r} is unknown", req_id=body.req_id)
-        await self._call(
-            rank,
-            "send",
-            body.to_wire(),
-            req_id=body.req_id,
-            limit_s=self._call_bound_s + self.config.zmq_send_timeout_s,
-            release_on_abort=True,
-        )
+        await self._call(rank, "send", body, self._call_bound_s + self.config.zmq_send_timeout_s)
 
     async def register(self, body: ReceiveUrlBody) -> None:
         """Push mode, on the worker holding (or about to hold) the request. A checkpoint."""
         rank = await self._router.wait_route(body.req_id, self.config.request_timeout_s)
-        await self._call(
-            rank, "register", body.to_wire(), req_id=body.req_id, limit_s=self._call_bound_s
-        )
+        await self._call(rank, "register", body, self._call_bound_s)
 
     async def metadata(self, body: MetadataBody) -> EncodeResult:
         """Wait for the metadata on the worker holding the request. A checkpoint."""
         rank = await self._router.wait_route(body.req_id, self.config.request_timeout_s)
-        value = await self._call(
-            rank, "metadata", body.to_wire(), req_id=body.req_id, limit_s=self._call_bound_s
-        )
+        value = await self._call(rank, "metadata", body, self._call_bound_s)
         return self._result(value, body.req_id)
 
     async def release(self, req_id: str) -> None:
@@ -329,14 +315,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         if rank is None or self._router.is_lost(req_id):
             await anyio.lowlevel.checkpoint()
             return
-        await self._call(
-            rank,
-            "release",
-            {"req_id": req_id},
-            req_id=req_id,
-            limit_s=self._call_bound_s,
-            release_on_abort=True,
-        )
+        await self._call(rank, "release", ReleaseBody(req_id), self._call_bound_s)
 
     def _result(self, value: object, req_id: str) -> EncodeResult:
         try:
@@ -353,7 +332,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
 
         async def one(rank: int) -> None:
             try:
-                outcomes[rank] = await self._call(rank, op, {}, req_id=None, limit_s=limit_s)
+                outcomes[rank] = await self._call(rank, op, None, limit_s)
             except EncdisaggError as exc:
                 outcomes[rank] = exc
 
@@ -407,10 +386,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
                 _log.warning("worker %s sent malformed metrics: %s", rank, exc.message)
         return ServiceSnapshot(
             MetricsSnapshot.merge(snapshots),
-            tuple(
-                WorkerStatus(w.rank, w.alive, w.load, w.pid, w.restarts, read_process_stats(w.pid))
-                for w in self._workers
-            ),
+            tuple(replace(w, process=read_process_stats(w.pid)) for w in self.workers),
             self.malformed_messages,
         )
 

@@ -64,8 +64,6 @@ class DpWorker:
     exited: anyio.Event = field(default_factory=anyio.Event)
     #: How often this rank's process was started again.
     restarts: int = 0
-    #: The front gave up restarting it.
-    given_up: bool = False
 
     def describe(self) -> str:
         return f"data-parallel worker {self.rank}" + (f" (pid {self.pid})" if self.pid else "")
@@ -176,32 +174,22 @@ class WorkerSupervisor:
         self._spawn_args = (results_url, backend_name, group)
         self._config_files[worker.rank] = config_file
         settings = self._settings
-        command = [
-            *self._command,
-            "--rank",
-            str(worker.rank),
-            "--work",
-            worker.work.url,
-            "--control",
-            worker.control.url,
-            "--results",
-            results_url,
-            "--config-file",
-            str(config_file),
-            "--backend",
-            backend_name,
-            "--parent-pid",
-            str(os.getpid()),
-            "--health-timeout",
-            str(settings.health_timeout_s),
-            "--max-inflight",
-            str(settings.worker_max_inflight),
-            "--log-level",
-            settings.worker_log_level,
-            "--log-format",
-            settings.worker_log_format,
-            *(("--freeze-heap",) if settings.freeze_heap else ()),
-        ]
+        options: dict[str, object] = {
+            "--rank": worker.rank,
+            "--work": worker.work.url,
+            "--control": worker.control.url,
+            "--results": results_url,
+            "--config-file": config_file,
+            "--backend": backend_name,
+            "--parent-pid": os.getpid(),
+            "--health-timeout": settings.health_timeout_s,
+            "--max-inflight": settings.worker_max_inflight,
+            "--log-level": settings.worker_log_level,
+            "--log-format": settings.worker_log_format,
+        }
+        command = [*self._command, *(str(part) for option in options.items() for part in option)]
+        if settings.freeze_heap:
+            command.append("--freeze-heap")
         env = dict(os.environ)
         root = _package_root()
         env["PYTHONPATH"] = os.pathsep.join(
@@ -286,7 +274,6 @@ class WorkerSupervisor:
         """Start a dead worker again after its backoff, or give up on it. Synchronous."""
         delay = self._policy.on_death(worker.rank, anyio.current_time())
         if delay is None or self._channels is None or self._spawn_args is None:
-            worker.given_up = True
             _log.error(
                 "giving up on data-parallel worker %s: it died %s time(s) within %s s; the "
                 "other workers go on serving",

@@ -19,7 +19,6 @@ import anyio
 import anyio.abc
 
 from ..._config import EncoderConfig
-from ..._errors import ServiceUnavailableError
 from ..._modality import Modality
 from ...registry import EncoderLoad, EncoderRecord, Registration
 from .._service import EncoderService
@@ -87,10 +86,7 @@ class ServerRegistration(anyio.AsyncContextManagerMixin):
         self._withdrawn.set()
 
     async def _load(self) -> EncoderLoad:
-        backend = self._service.backend
-        if backend is None:
-            raise ServiceUnavailableError("the encoder service is not running")
-        gauges = (await backend.snapshot()).encoder.gauges
+        gauges = (await self._service.require_backend().snapshot()).encoder.gauges
         return EncoderLoad(
             queue_depth=int(gauges.get("live_requests", 0)),
             staged_bytes=int(gauges.get("staged_bytes", 0)),

@@ -15,6 +15,7 @@ from typing import Final
 
 from ..._errors import EncdisaggError
 from ...nurseries import leaf_exceptions
+from .._asgi._listen import host_port
 
 __all__ = ["describe_startup_failure"]
 
@@ -41,14 +42,10 @@ def _is_cancellation(exc: BaseException) -> bool:
     )
 
 
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _describe_os_error(exc: OSError, host: str | None, port: int | None) -> str:
     if host is None or port is None:
         return str(exc)
-    address = _address(host, port)
+    address = host_port(host, port)
     if isinstance(exc, socket.gaierror):
         return f"cannot serve on {address}: unknown host {host!r}"
     if exc.errno == errno.EADDRINUSE:

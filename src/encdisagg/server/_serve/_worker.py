@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import anyio
 import anyio.abc
+import msgspec
 import zmq
 
 from ... import _tracing
@@ -173,25 +174,21 @@ class _Worker:
         reply: ReplyMessage | None = None
         try:
             with scope:
+                value: Any = None
+                error: EncdisaggError | msgspec.UnsetType = msgspec.UNSET
                 try:
                     with _call_span(message):
                         value = await self._execute(message)
                 except EncdisaggError as exc:
-                    reply = ReplyMessage("result", self.rank, id=message.id, error=exc)
+                    error = exc
                 except Exception as exc:
                     _log.exception("worker %s: %s call failed unexpectedly", self.rank, message.op)
                     req_id = message.args.get("req_id")
-                    reply = ReplyMessage(
-                        "result",
-                        self.rank,
-                        id=message.id,
-                        error=InternalError(
-                            f"{message.op} failed unexpectedly: {exc!r}",
-                            req_id=req_id if isinstance(req_id, str) else None,
-                        ),
+                    error = InternalError(
+                        f"{message.op} failed unexpectedly: {exc!r}",
+                        req_id=req_id if isinstance(req_id, str) else None,
                     )
-                else:
-                    reply = ReplyMessage("result", self.rank, id=message.id, value=value)
+                reply = ReplyMessage("result", self.rank, id=message.id, value=value, error=error)
         finally:
             self._calls.pop(message.id, None)
             self._unmark_encoding(encoding)
@@ -276,12 +273,11 @@ async def _serve(args: argparse.Namespace, config: EncoderConfig) -> None:
     context: zmq.Context[Any] = zmq.Context()
     sockets: list[IpcSocket] = []
     try:
-        work = IpcSocket(context, zmq.PULL, args.work, bind=False)
-        sockets.append(work)
-        control = IpcSocket(context, zmq.PULL, args.control, bind=False)
-        sockets.append(control)
-        results = IpcSocket(context, zmq.PUSH, args.results, bind=False)
-        sockets.append(results)
+        sockets.extend(
+            IpcSocket(context, zmq.PULL, url, bind=False) for url in (args.work, args.control)
+        )
+        sockets.append(IpcSocket(context, zmq.PUSH, args.results, bind=False))
+        work, control, results = sockets
         opened = False
         try:
             async with LocalBackend(

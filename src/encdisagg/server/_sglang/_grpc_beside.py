@@ -22,6 +22,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING
 
 from .._access import ApiKey
+from .._asgi._listen import host_port
 from .._backend import Backend
 from .._probes import readiness_problem
 from .._service import EncoderService
@@ -78,8 +79,7 @@ async def grpc_beside(
             grace_s=service.config.shutdown_grace_s,
         )
         await stack.enter_async_context(server)
-        host = settings.grpc_host
-        yield f"grpc://{f'[{host}]' if ':' in host else host}:{server.port}"
+        yield f"grpc://{host_port(settings.grpc_host, server.port)}"
 
 
 class _Admitted:

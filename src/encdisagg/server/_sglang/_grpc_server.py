@@ -29,6 +29,7 @@ import anyio.to_thread
 
 from ...nurseries import collapse_single_error
 from .._access import ApiKey
+from .._asgi._listen import host_port
 
 if TYPE_CHECKING:
     # Imports grpc: only once the grpc extra is known to be installed.
@@ -106,7 +107,7 @@ class _LoopThread:
     """One thread running an asyncio loop that serves ``build(server)``'s gRPC services."""
 
     def __init__(self, host: str, port: int, options: list[tuple[str, int]]) -> None:
-        self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._address = host_port(host, port)
         self._options = options
         self._started: concurrent.futures.Future[int] = concurrent.futures.Future()
         self._loop: asyncio.AbstractEventLoop | None = None

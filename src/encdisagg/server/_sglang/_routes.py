@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from quart import Blueprint, Quart
+from quart import Quart
 
 from ..._errors import BadRequestError, ServiceUnavailableError
 from .._asgi._lifespan import ServiceLifespan
@@ -45,10 +45,8 @@ class SglangWire:
         Entering is a checkpoint; leaving unregisters first, then closes the service.
         """
         service = self._service
-        backend = service.backend
-        if backend is None:
-            raise ServiceUnavailableError("the encoder service is not running")
         settings = service.settings
+        backend = service.require_backend()
         async with SglangService(backend, service.config, peers=service.peers) as sglang:
             self.sglang = sglang
             try:
@@ -78,12 +76,11 @@ class SglangWire:
         return handle
 
 
-def mount_sglang(app: Quart, blueprint: Blueprint, service: EncoderService) -> dict[str, Route]:
-    """Add ``/health_generate`` to ``blueprint``, open the wire inside ``app``'s lifespan,
-    and return SGLang's routes (path → route) in place of ours. Call it before the encoder
-    service's own lifespan wraps ``app`` (so it runs inside it)."""
+def mount_sglang(app: Quart, service: EncoderService) -> dict[str, Route]:
+    """Open the wire inside ``app``'s lifespan, and return SGLang's routes (path → route) in
+    place of ours (the app adds ``/health_generate``, SGLang's probe, beside ``/health``).
+    Call it before the encoder service's own lifespan wraps ``app`` (so it runs inside it)."""
     wire = SglangWire(service)
-    blueprint.add_url_rule("/health_generate", "health_generate", service.health, methods=["GET"])
     app.asgi_app = ServiceLifespan(app.asgi_app, wire)  # type: ignore[method-assign,assignment]
     calls: dict[str, Any] = {
         "/encode": SglangService.encode,

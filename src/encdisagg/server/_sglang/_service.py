@@ -55,7 +55,7 @@ from ...transfer import ZmqPushPool
 from ...transfer._sglang_frames import SglangPart, sglang_header
 from ...transfer._wire import ForeignHeader
 from .._access import PeerAllowList
-from .._backend import Backend, LocalBackend
+from .._backend import Backend, LocalBackend, release_within
 from .._client_watch import note_staged
 from .._messages import MetadataBody, ReceiveUrlBody, SendBody
 from ._bodies import SglangEncodeBody, SglangSendBody, metadata_answer
@@ -204,7 +204,9 @@ class SglangService(anyio.AsyncContextManagerMixin):
             raise
         finally:
             with anyio.CancelScope(shield=True):
-                await self._release(request.req_id)
+                await release_within(
+                    self._backend, request.req_id, self._config.cleanup_timeout_s, _log
+                )
         if message.push_urls is None:
             self._destinations.finish(request.req_id)
         return None
@@ -467,13 +469,6 @@ class SglangService(anyio.AsyncContextManagerMixin):
             video_timestamps=timestamps,
             second_per_grid_ts=seconds,
         )
-
-    async def _release(self, req_id: str) -> None:
-        try:
-            with anyio.move_on_after(self._config.cleanup_timeout_s):
-                await self._backend.release(req_id)
-        except EncdisaggError as exc:
-            _log.warning("releasing %s failed: %s", req_id, exc)
 
 
 def _frame(part: SglangPart) -> ForeignHeader:

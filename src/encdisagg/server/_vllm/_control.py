@@ -24,7 +24,7 @@ import zmq
 from ..._errors import TransferError, TransferTimeoutError
 from ...transfer._zmq._socket import wait_events
 
-__all__ = ["ControlChannel", "ControlError"]
+__all__ = ["ControlChannel", "ControlError", "control_result"]
 
 #: Largest answer taken (a reserve batch of many items is a few kilobytes).
 _MAX_ANSWER_BYTES: Final = 1 << 20
@@ -102,6 +102,15 @@ def _result(frame: bytes, op: object, address: str) -> Any:
         answer = json.loads(frame)
     except (UnicodeDecodeError, ValueError):
         answer = None
+    return control_result(answer, op, address)
+
+
+def control_result(answer: object, op: object, address: str) -> Any:
+    """The ``result`` of ``{"ok": true, "result": ...}``: a whole answer, or one item of a
+    batch's. Not async.
+
+    :raises ControlError: ``ok: false`` (its error quoted), or no such object at all.
+    """
     if not isinstance(answer, dict) or not isinstance(answer.get("ok"), bool):
         raise ControlError(f"{op} to {address}: the answer is not a control answer")
     if not answer["ok"]:

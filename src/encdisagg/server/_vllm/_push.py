@@ -31,7 +31,7 @@ import anyio
 
 from ..._errors import EncdisaggError, InternalError, TransferTimeoutError
 from .._fields import type_name
-from ._control import ControlChannel, ControlError
+from ._control import ControlChannel, ControlError, control_result
 
 __all__ = ["PushSpec", "Shard", "push_item"]
 
@@ -183,14 +183,9 @@ async def _reserve(
 
 def _shard(address: str, answer: object, now: float) -> Shard:
     items = answer.get("items") if isinstance(answer, dict) else None
-    if not isinstance(items, list) or len(items) != 1 or not isinstance(items[0], dict):
+    if not isinstance(items, list) or len(items) != 1:
         raise ControlError(f"reserve_batch to {address}: expected one item in the answer")
-    item = items[0]
-    if not item.get("ok"):
-        error = item.get("error")
-        text = error[:300] if isinstance(error, str) else "no reason given"
-        raise ControlError(f"reserve_batch to {address} failed: {text}")
-    result = item.get("result")
+    result = control_result(items[0], "reserve_batch", address)
     if not isinstance(result, dict):
         raise ControlError(f"reserve_batch to {address}: the item has no result")
     try:
@@ -227,15 +222,7 @@ async def _refresh(
 ) -> None:
     """Cancel each stale reservation with ``refresh``, then reserve it again."""
     for shard in stale:
-        await channel.request(
-            shard.address,
-            {
-                "op": "cancel",
-                "transfer_id": spec.transfer_id,
-                "reservation_id": shard.reservation_id,
-                "refresh": True,
-            },
-        )
+        await channel.request(shard.address, _cancel(spec, shard.reservation_id, "refresh"))
         del reserved[shard.address]
     await _reserve(channel, spec, [shard.address for shard in stale], reserved, clock, unanswered)
 
@@ -313,15 +300,7 @@ async def _abandon(
 
     async def one(address: str, reservation_id: str) -> None:
         try:
-            await channel.request(
-                address,
-                {
-                    "op": "cancel",
-                    "transfer_id": spec.transfer_id,
-                    "reservation_id": reservation_id,
-                    "abandon": True,
-                },
-            )
+            await channel.request(address, _cancel(spec, reservation_id, "abandon"))
         except EncdisaggError as exc:
             _log.warning("abandoning transfer %s on %s failed: %s", spec.transfer_id, address, exc)
 
@@ -331,3 +310,13 @@ async def _abandon(
                 group.start_soon(one, shard.address, shard.reservation_id)
         for address in unanswered:
             group.start_soon(one, address, "")
+
+
+def _cancel(spec: PushSpec, reservation_id: str, why: str) -> dict[str, Any]:
+    """A ``cancel`` of a reservation, flagged ``why`` (``refresh`` or ``abandon``)."""
+    return {
+        "op": "cancel",
+        "transfer_id": spec.transfer_id,
+        "reservation_id": reservation_id,
+        why: True,
+    }

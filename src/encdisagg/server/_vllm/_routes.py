@@ -50,9 +50,7 @@ class VllmWire:
     async def open(self) -> AsyncGenerator[VllmService]:
         """Open the service over the running backend. Entering is a checkpoint."""
         service = self._service
-        backend = service.backend
-        if backend is None:
-            raise ServiceUnavailableError("the encoder service is not running")
+        backend = service.require_backend()
         async with VllmService(
             backend, service.config, service.settings, peers=service.peers
         ) as vllm:

@@ -34,13 +34,12 @@ from ...encoder import EncodeResult, MooncakeDestination
 from ...models._checkpoint import model_type_of
 from ...nurseries import ServiceTaskGroup, run_thread_to_completion
 from .._access import PeerAllowList
-from .._backend import Backend
+from .._backend import Backend, release_within
 from .._messages import EncodeBody, SendBody
-from .._settings import ServerSettings
+from .._settings import ServerSettings, canonical_dtype
 from ._bodies import ChatBody, MediaItem
 from ._control import ControlChannel
 from ._metadata import Family, check_family, family_of, item_metadata
-from ._options import canonical_dtype
 from ._push import PushSpec, Shard, push_item
 from ._relay import relay_staged
 from ._storage import EmbeddingStore
@@ -238,7 +237,7 @@ class VllmService(anyio.AsyncContextManagerMixin):
             return entry
         finally:
             with anyio.CancelScope(shield=True):
-                await self._release(req_id)
+                await release_within(self._backend, req_id, self._config.cleanup_timeout_s, _log)
 
     async def _store(self, req_id: str, uuid: str) -> None:
         store = self.store
@@ -294,10 +293,3 @@ class VllmService(anyio.AsyncContextManagerMixin):
         except TransferError as exc:
             # vLLM's proxy passes the status on: 500 says "not there", as its producer does.
             raise InternalError(exc.message, req_id=req_id) from None
-
-    async def _release(self, req_id: str) -> None:
-        try:
-            with anyio.move_on_after(self._config.cleanup_timeout_s):
-                await self._backend.release(req_id)
-        except EncdisaggError as exc:
-            _log.warning("releasing %s failed: %s", req_id, exc)

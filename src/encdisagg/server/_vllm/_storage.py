@@ -133,10 +133,6 @@ class EmbeddingStore:
     def __contains__(self, uuid: object) -> bool:
         return uuid in self._entries
 
-    def path_of(self, uuid: str) -> Path:
-        """The file vLLM's consumer reads for the item ``uuid``."""
-        return self.root / uuid / FILE_NAME
-
     async def adopt(self) -> None:
         """Count the files already beneath ``root`` (an earlier run's) in the bounds, oldest
         first. A checkpoint (one thread call)."""
