@@ -28,6 +28,13 @@ prefill, decode) with one torch intra-op thread each (with torch's default, each
 spreads its matrix products over both cores and they crowd each other out, the decode steps
 worst); the colocated run, a single compute thread, with torch's default.
 
+After the timed runs, each concurrency-1 cell of 16 tokens runs once more with an in-memory
+OpenTelemetry exporter: the pipeline's own spans cut each request's TTFT into stages
+(``_epd_stages.py``: admission, the ``/encode`` call, preprocessing, the forward, staging,
+the ``/send`` call, the push, prefill, the KV write, the first decode step) that add up to
+it exactly, reported beside the colocated request's stages (image decode, processor,
+``generate`` to the first token).
+
 On one machine with two cores there is no extra hardware for disaggregation to use, so its
 costs (HTTP, transfers, three model copies competing for the same cores) are not paid back
 here. The figures show what the pipeline costs, not what it gains on a real cluster.
