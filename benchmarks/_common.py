@@ -11,16 +11,18 @@ import argparse
 import json
 import os
 import platform
+import selectors
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -378,3 +380,98 @@ def tempfile_log() -> Any:
     import tempfile
 
     return tempfile.TemporaryFile(mode="w+")
+
+
+# -- long-lived child processes, one JSON line per command ----------------------------------
+
+
+def serve_json_lines(
+    handle: Callable[[dict[str, Any]], dict[str, Any]], hello: dict[str, Any]
+) -> int:
+    """In a child: answer one JSON line on stdout per JSON line on stdin, until stdin closes.
+
+    Whatever the libraries print goes to stderr: stdout is kept for the answers only. An
+    exception is answered as ``{"error": traceback}``, which the harness reports.
+    """
+    channel: TextIO = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    channel.write(json.dumps({"ready": True, **hello}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            answer = handle(json.loads(line))
+        except BaseException:  # the harness reports it and stops
+            answer = {"error": traceback.format_exc()}
+        channel.write(json.dumps(answer) + "\n")
+    return 0
+
+
+class ChildSide:
+    """The harness's end of a child running :func:`serve_json_lines`.
+
+    :param name: the benchmark's name, for messages.
+    :param src: a checkout's ``src`` folder, imported instead of this one's.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        label: str,
+        command: Sequence[str],
+        *,
+        src: Path | None = None,
+        start_timeout_s: float = 600.0,
+        run_timeout_s: float = 600.0,
+    ) -> None:
+        self.name = name
+        self.label = label
+        self.run_timeout_s = run_timeout_s
+        env = python_env()
+        if src is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(src), env["PYTHONPATH"]])
+        self.process = subprocess.Popen(
+            list(command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            cwd=REPO_ROOT,
+            env=env,
+        )
+        self.hello = self._answer(start_timeout_s, "start")
+
+    def _answer(self, timeout_s: float, what: str) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        where = f"{self.name}: {self.label}"
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout=timeout_s):
+                raise SystemExit(f"{where} did not {what} in {timeout_s:.0f} s")
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait(10)
+            raise SystemExit(f"{where} exited (code {code}) during {what}")
+        answer: dict[str, Any] = json.loads(line)
+        if "error" in answer:
+            raise SystemExit(f"{where} failed during {what}:\n{answer['error']}")
+        return answer
+
+    def run(self, **command: Any) -> dict[str, Any]:
+        """Send one command; its answer. Blocks until the child answers."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._answer(self.run_timeout_s, f"run {command}")
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+        if self.process.stdout is not None:
+            self.process.stdout.close()

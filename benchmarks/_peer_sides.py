@@ -8,43 +8,20 @@ described in ``bench_peer.py``; the real-Mooncake variant of both is in ``_peer_
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 # Only the standard library at the top: SGLang's venv imports this file too.
+from _common import serve_json_lines as serve
 from _peer_mooncake import peer_run, slot_addresses, tcp_for_sglang
 
 TOKENS = 2
 HIDDEN = 4
 ITEMS = (b"image",)
 SINK_WAIT_S = 5.0
-
-
-def serve(handle: Callable[[dict[str, Any]], dict[str, Any]], hello: dict[str, Any]) -> int:
-    """Answer one JSON line on stdout per JSON line on stdin, until stdin closes.
-
-    Whatever the libraries print goes to stderr: stdout is kept for the answers only.
-    """
-    channel: TextIO = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    channel.write(json.dumps({"ready": True, **hello}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            answer = handle(json.loads(line))
-        except BaseException:  # the harness reports it and stops
-            answer = {"error": traceback.format_exc()}
-        channel.write(json.dumps(answer) + "\n")
-    return 0
 
 
 def _has_mooncake() -> bool:

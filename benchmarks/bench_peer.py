@@ -55,11 +55,8 @@ both sides, in one run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import selectors
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -71,9 +68,9 @@ from _common import (
     QUICK_RESULTS_DIR,
     REPO_ROOT,
     RESULTS_DIR,
+    ChildSide,
     Options,
     latency_summary,
-    python_env,
     write_json,
 )
 from _peer_mooncake import SLOT_BYTES, mooncake_receiver
@@ -101,57 +98,15 @@ RUN_TIMEOUT_S = 600.0
 # -- the harness ------------------------------------------------------------------------------
 
 
-class _Side:
-    """A long-lived child process answering run commands as JSON lines."""
-
-    def __init__(self, label: str, command: Sequence[str], *, src: Path | None = None) -> None:
-        self.label = label
-        env = python_env()
-        if src is not None:
-            # That checkout's package is imported instead of this one's.
-            env["PYTHONPATH"] = os.pathsep.join([str(src), env["PYTHONPATH"]])
-        self.process = subprocess.Popen(
-            list(command),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            cwd=REPO_ROOT,
-            env=env,
-        )
-        self.hello = self._answer(START_TIMEOUT_S, "start")
-
-    def _answer(self, timeout_s: float, what: str) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.process.stdout, selectors.EVENT_READ)
-            if not selector.select(timeout=timeout_s):
-                raise SystemExit(f"bench_peer: {self.label} did not {what} in {timeout_s:.0f} s")
-        line = self.process.stdout.readline()
-        if not line:
-            code = self.process.wait(10)
-            raise SystemExit(f"bench_peer: {self.label} exited (code {code}) during {what}")
-        answer: dict[str, Any] = json.loads(line)
-        if "error" in answer:
-            raise SystemExit(f"bench_peer: {self.label} failed during {what}:\n{answer['error']}")
-        return answer
-
-    def run(self, **command: Any) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        return self._answer(RUN_TIMEOUT_S, f"run {command}")
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+def _side(label: str, command: Sequence[str], *, src: Path | None = None) -> ChildSide:
+    return ChildSide(
+        "bench_peer",
+        label,
+        command,
+        src=src,
+        start_timeout_s=START_TIMEOUT_S,
+        run_timeout_s=RUN_TIMEOUT_S,
+    )
 
 
 def _peer_python(venv: str | None) -> Path:
@@ -175,7 +130,7 @@ def _peer_python(venv: str | None) -> Path:
 
 
 def _run_side(
-    sides: dict[str, _Side],
+    sides: dict[str, ChildSide],
     side: str,
     concurrency: int,
     total: int,
@@ -216,7 +171,7 @@ def _ratios(runs: list[dict[str, Any]], under: list[dict[str, Any]]) -> dict[str
 
 
 def _cell(
-    sides: dict[str, _Side],
+    sides: dict[str, ChildSide],
     concurrency: int,
     backend: str,
     total: int,
@@ -298,21 +253,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.pairs,
     )
     script = str(Path(__file__).resolve())
-    sides: dict[str, _Side] = {}
+    sides: dict[str, ChildSide] = {}
     notes: list[str] = []
     with ExitStack() as stack:
 
-        def start(name: str, side: _Side) -> None:
+        def start(name: str, side: ChildSide) -> None:
             sides[name] = side
             stack.callback(side.close)
 
-        start("peer", _Side("the SGLang peer", [str(peer_python), script, "--serve", "peer"]))
-        start("ours", _Side("our encoder", [sys.executable, script, "--serve", "ours"]))
+        start("peer", _side("the SGLang peer", [str(peer_python), script, "--serve", "peer"]))
+        start("ours", _side("our encoder", [sys.executable, script, "--serve", "ours"]))
         if args.baseline_src is not None:
             if not (args.baseline_src / "encdisagg" / "__init__.py").is_file():
                 raise SystemExit(f"bench_peer: no encdisagg package in {args.baseline_src}")
             command = [sys.executable, script, "--serve", "ours"]
-            start("base", _Side("the baseline encoder", command, src=args.baseline_src.resolve()))
+            start("base", _side("the baseline encoder", command, src=args.baseline_src.resolve()))
         lacking = [side.label for side in sides.values() if not side.hello.get("mooncake", True)]
         receiver = None
         if lacking:

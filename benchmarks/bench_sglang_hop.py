@@ -27,27 +27,24 @@ p50s (below 1: faster).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import selectors
 import statistics
 import subprocess
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from _common import (
     MIB,
     QUICK_RESULTS_DIR,
     REPO_ROOT,
     RESULTS_DIR,
+    ChildSide,
     Options,
     headline,
     latency_summary,
     percentile,
-    python_env,
+    serve_json_lines,
     write_json,
 )
 
@@ -64,25 +61,16 @@ RUN_TIMEOUT_S = 120.0
 
 
 def _serve() -> int:
-    """Answer one JSON line on stdout per command line on stdin, until stdin closes."""
-    channel: TextIO = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    """The child's loop: one run of ``parts`` parts of ``nbytes`` bytes per command."""
+    import anyio
+
     import encdisagg
 
-    channel.write(json.dumps({"ready": True, "encdisagg": encdisagg.__version__}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            command = json.loads(line)
-            import anyio
+    def handle(command: dict[str, Any]) -> dict[str, Any]:
+        answer: dict[str, Any] = anyio.run(_run, command["nbytes"], command["parts"])
+        return answer
 
-            answer = anyio.run(_run, command["nbytes"], command["parts"])
-        except BaseException:  # the harness reports it and stops
-            answer = {"error": traceback.format_exc()}
-        channel.write(json.dumps(answer) + "\n")
-    return 0
+    return serve_json_lines(handle, {"encdisagg": encdisagg.__version__})
 
 
 #: SGLang's receiving port, in a process of its own (as SGLang's tokenizer is): one line with
@@ -158,69 +146,23 @@ async def _run(nbytes: int, parts: int) -> dict[str, Any]:
 # -- the harness --------------------------------------------------------------------------------
 
 
-class _Side:
-    """A long-lived child process answering run commands as JSON lines."""
-
-    def __init__(self, label: str, src: Path) -> None:
-        self.label = label
-        env = python_env()
-        # That checkout's package is imported, whatever else is installed.
-        env["PYTHONPATH"] = os.pathsep.join([str(src), env["PYTHONPATH"]])
-        self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            cwd=REPO_ROOT,
-            env=env,
-        )
-        self.hello = self._answer(START_TIMEOUT_S, "start")
-
-    def _answer(self, timeout_s: float, what: str) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.process.stdout, selectors.EVENT_READ)
-            if not selector.select(timeout=timeout_s):
-                raise SystemExit(f"{NAME}: {self.label} did not {what} in {timeout_s:.0f} s")
-        line = self.process.stdout.readline()
-        if not line:
-            code = self.process.wait(10)
-            raise SystemExit(f"{NAME}: {self.label} exited (code {code}) during {what}")
-        answer: dict[str, Any] = json.loads(line)
-        if "error" in answer:
-            raise SystemExit(f"{NAME}: {self.label} failed during {what}:\n{answer['error']}")
-        return answer
-
-    def run(self, nbytes: int, parts: int) -> list[float]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"nbytes": nbytes, "parts": parts}) + "\n")
-        self.process.stdin.flush()
-        times: list[float] = self._answer(RUN_TIMEOUT_S, f"a run of {nbytes} bytes")["times_s"]
-        return times
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+def _side(label: str, src: Path) -> ChildSide:
+    command = [sys.executable, str(Path(__file__).resolve()), "--serve"]
+    return ChildSide(
+        NAME, label, command, src=src, start_timeout_s=START_TIMEOUT_S, run_timeout_s=RUN_TIMEOUT_S
+    )
 
 
 def _size_name(nbytes: int) -> str:
     return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // 1024} KiB"
 
 
-def _cell(sides: dict[str, _Side], nbytes: int, pairs: int, parts: int) -> dict[str, Any]:
+def _cell(sides: dict[str, ChildSide], nbytes: int, pairs: int, parts: int) -> dict[str, Any]:
     runs: dict[str, list[list[float]]] = {"base": [], "ours": []}
     for pair in range(pairs):
         order = ("base", "ours") if pair % 2 == 0 else ("ours", "base")
         for name in order:
-            runs[name].append(sides[name].run(nbytes, parts))
+            runs[name].append(sides[name].run(nbytes=nbytes, parts=parts)["times_s"])
     ratios = [
         percentile(ours, 50) / percentile(base, 50)
         for ours, base in zip(runs["ours"], runs["base"], strict=True)
@@ -282,10 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         out=args.out or (QUICK_RESULTS_DIR if args.quick else RESULTS_DIR),
         repeats=pairs,
     )
-    sides: dict[str, _Side] = {}
+    sides: dict[str, ChildSide] = {}
     try:
-        sides["base"] = _Side("the baseline", args.baseline_src.resolve())
-        sides["ours"] = _Side("this tree", REPO_ROOT / "src")
+        sides["base"] = _side("the baseline", args.baseline_src.resolve())
+        sides["ours"] = _side("this tree", REPO_ROOT / "src")
         cells = []
         for nbytes in SIZES:
             cells.append(_cell(sides, nbytes, pairs, parts))
