@@ -22,7 +22,7 @@ from quart.typing import TestClientProtocol as Client
 from encdisagg import ZmqDestination
 from encdisagg.server import DataParallelBackend, SendBody
 
-from ._helpers import fast_config, running
+from ._helpers import fast_config, png_data_url, running
 
 pytestmark = pytest.mark.anyio
 
@@ -154,3 +154,26 @@ async def test_two_workers(make_app: Callable[..., Quart]) -> None:
         text = (await (await client.get("/metrics")).get_data()).decode()
         assert f'encdisagg_dp_worker_up{{rank="{victim}"}} 0.0' in text
     assert all(not worker.alive for worker in backend.workers)
+
+
+async def test_a_call_a_worker_refuses_answers_its_error_and_the_worker_lives_on(
+    make_app: Callable[..., Quart],
+) -> None:
+    app = make_app(fast_config(request_timeout_s=30), dp=2, worker_start_timeout_s=120)
+    service = app.extensions["encdisagg"]
+    async with running(app) as client:
+        backend = service.backend
+        assert isinstance(backend, DataParallelBackend)
+        pids = {rank: backend.pid_of(rank) for rank in (0, 1)}
+        # Twice, so each worker refuses one: an undecodable image is the worker's 400.
+        for index in range(2):
+            response = await client.post(
+                "/encode",
+                json={"req_id": f"bad-{index}", "mm_items": ["data:image/png;base64,QUJDRA=="]},
+            )
+            assert response.status_code == 400, await response.get_data()
+            assert "mm_items[0]" in (await response.get_json())["message"]
+        for index in range(2):
+            body = {"req_id": f"good-{index}", "mm_items": [png_data_url(56, 56, seed=index)]}
+            assert (await client.post("/encode", json=body)).status_code == 200
+        assert {rank: backend.pid_of(rank) for rank in (0, 1)} == pids

@@ -174,7 +174,8 @@ class _Worker:
         reply: ReplyMessage | None = None
         try:
             with scope:
-                value: Any = None
+                # A reply carries a value or an error, never both: each is unset until known.
+                value: Any = msgspec.UNSET
                 error: EncdisaggError | msgspec.UnsetType = msgspec.UNSET
                 try:
                     with _call_span(message):
