@@ -28,6 +28,7 @@ import sniffio
 
 from .. import _tracing
 from .._config import EncoderConfig
+from .._modality import Modality
 from ..nurseries import run_thread_to_completion
 from ..receiver import EmbeddingReceiver, EncoderClient
 from ._decode import DecodeWorker
@@ -39,6 +40,7 @@ from ._prefill import PrefillWorker
 from ._prefill_types import PipelineRequest, PrefillReport, PrefillStatus
 
 if TYPE_CHECKING:
+    from ..models import VisionModel
     from ..transfer import TransferEngine
 
 __all__ = ["DemoOptions", "DemoReport", "RequestOutcome", "run_demo", "serve_asgi"]
@@ -228,7 +230,7 @@ async def run_demo(
         receiver_stats = receiver.stats()
         leaked_landing = receiver_stats.landing_pages_in_use
 
-        outcomes = await _compare(planned, results, lm_reference)
+        outcomes = await _compare(planned, results, lm_reference, encoders[0].model)
     elapsed = anyio.current_time() - started
     report = DemoReport(
         options=options,
@@ -350,18 +352,25 @@ async def _compare(
     planned: Sequence[_Planned],
     results: dict[str, tuple[DecodeResult, PrefillReport]],
     reference: LanguageModel,
+    vision: VisionModel,
 ) -> list[RequestOutcome]:
+    """Each request's outcome beside the colocated run's tokens. The colocated model gets the
+    pixels the encoders' own preprocessing makes (``preprocess="fast"`` differs from the
+    image processor by a level or two, enough to turn a greedy token many steps on): the
+    check is that disaggregation loses nothing, not how preprocessing rounds."""
     outcomes = []
     for item in planned:
         request = item.request
         result, report = results[request.rid]
         expected: tuple[int, ...] | None = None
         if result.status is DecodeStatus.COMPLETED:
+            images = [image.image for image in item.images]
             run = functools.partial(
                 reference.generate_colocated,
                 request.prompt,
-                [image.image for image in item.images],
+                images,
                 max_new_tokens=request.max_new_tokens,
+                pixels=_encoder_pixels(vision, images) if images else None,
             )
             expected = tuple(await run_thread_to_completion(run))
         ttft = tpot = None
@@ -390,3 +399,9 @@ async def _compare(
             )
         )
     return outcomes
+
+
+def _encoder_pixels(vision: VisionModel, images: Sequence[Any]) -> dict[str, Any]:
+    """``images`` as the encoders preprocess them, in the language model's keywords. Blocks."""
+    features = vision.preprocess(list(images), Modality.IMAGE).features
+    return {"pixel_values": features["pixel_values"], "image_grid_thw": features["grid_thw"]}

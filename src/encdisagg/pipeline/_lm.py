@@ -9,7 +9,7 @@ same seed), so the encoder's embeddings are exactly what this model's own tower 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -339,14 +339,24 @@ class LanguageModel:
         return processor(images=list(images), return_tensors="pt")
 
     def generate_colocated(
-        self, prompt: str, images: Sequence[Image.Image], *, max_new_tokens: int
+        self,
+        prompt: str,
+        images: Sequence[Image.Image],
+        *,
+        max_new_tokens: int,
+        pixels: Mapping[str, torch.Tensor] | None = None,
     ) -> list[int]:
-        """The reference run: the whole model, its own vision tower on the raw images, greedy
-        ``generate``. Blocks."""
+        """The reference run: the whole model, its own vision tower on the images, greedy
+        ``generate``. Blocks.
+
+        :param pixels: the images' ``pixel_values`` and ``image_grid_thw`` as the encoders
+            preprocessed them, so that both runs see the same pixels; ``None``: the image
+            processor's own.
+        """
         kwargs: dict[str, Any] = {}
         counts: tuple[int, ...] = ()
         if images:
-            pixels = self._process(images)
+            pixels = pixels if pixels is not None else self._process(images)
             merge = self._merge
             counts = tuple(int(row.prod()) // (merge * merge) for row in pixels["image_grid_thw"])
             kwargs = {
