@@ -38,7 +38,7 @@ STAGES: tuple[str, ...] = (
 )
 
 #: The colocated request's stages (``bench_epd._colocated_one``'s stamps).
-COLOCATED_STAGES: tuple[str, ...] = ("decode image", "image processor", "generate -> first token")
+COLOCATED_STAGES: tuple[str, ...] = ("decode image", "preprocess", "generate -> first token")
 
 
 def _children(spans: Iterable[Any]) -> dict[int, list[Any]]:
@@ -65,18 +65,35 @@ def request_stages(spans: list[Any], ttft_s: float) -> dict[str, float]:
     decode = _only(spans, "encdisagg.decode")
     prefill = _only(spans, "encdisagg.prefill")
     kv_write = _only(children[prefill.context.span_id], "encdisagg.kv_write")
-    # The part the prefill waited for: the last to land.
-    landed = max(
-        (span for span in spans if span.name == "encdisagg.receive"), key=lambda s: s.end_time
-    )
-    transfer = next(s for s in spans if s.context.span_id == landed.parent.span_id)
-    send_http = next(s for s in spans if s.context.span_id == transfer.parent.span_id)
-    part = landed.attributes["encdisagg.req_id"]
-    encode = next(
-        s
-        for s in spans
-        if s.name == "encdisagg.encode" and s.attributes.get("encdisagg.req_id") == part
-    )
+    # The part the prefill waited for: the last to land. Over ZMQ the receiver's span says
+    # when a part landed; over Mooncake the write is done when its ``/send`` answers.
+    received = [span for span in spans if span.name == "encdisagg.receive"]
+    if received:
+        landed = max(received, key=lambda s: s.end_time)
+        landed_ns = landed.end_time
+        transfer = next(s for s in spans if s.context.span_id == landed.parent.span_id)
+        send_http = next(s for s in spans if s.context.span_id == transfer.parent.span_id)
+        part = landed.attributes["encdisagg.req_id"]
+        encode = next(
+            s
+            for s in spans
+            if s.name == "encdisagg.encode" and s.attributes.get("encdisagg.req_id") == part
+        )
+    else:
+        send_http = max(
+            (span for span in spans if span.name == "POST /send"), key=lambda s: s.end_time
+        )
+        landed_ns = send_http.end_time
+        transfer = _only(children[send_http.context.span_id], "encdisagg.transfer")
+        # Its part: the encode that ended last before this /send began.
+        encode = max(
+            (
+                s
+                for s in spans
+                if s.name == "encdisagg.encode" and s.end_time <= send_http.start_time
+            ),
+            key=lambda s: s.end_time,
+        )
     encode_http = next(s for s in spans if s.context.span_id == encode.parent.span_id)
     steps = children[encode.context.span_id]
     preprocess = _only(steps, "encdisagg.preprocess")
@@ -92,7 +109,7 @@ def request_stages(spans: list[Any], ttft_s: float) -> dict[str, float]:
         encode.end_time,
         send_http.start_time,
         transfer.start_time,
-        landed.end_time,
+        landed_ns,
         kv_write.start_time,
         kv_write.end_time,
         decode.start_time + round(ttft_s * 1e9),

@@ -9,8 +9,9 @@ one process on one event loop. Its TTFT runs from the decode side's admission of
 to its first token; TPOT is the mean gap between the following tokens.
 
 *Colocated*: the same requests (same images, prompts and token budget, taken from the
-demo's own plan) on one copy of the same model: decode the image from its data URL, run the
-model's image processor, and ``generate`` greedily with its own vision tower; a streamer
+demo's own plan) on one copy of the same model: decode the image from its data URL,
+preprocess it as the encoders do (the fast path, so both sides see the same pixels), and
+``generate`` greedily with its own vision tower; a streamer
 stamps each token. With concurrency above one, requests share the model one at a time
 (as a server without batching would); TTFT then includes waiting for it.
 
@@ -162,11 +163,17 @@ class _Clock:
 
 
 def _colocated_one(
-    lm: Any, lock: threading.Lock, prompt: str, urls: Sequence[str], new_tokens: int
+    lm: Any,
+    vision: Any,
+    lock: threading.Lock,
+    prompt: str,
+    urls: Sequence[str],
+    new_tokens: int,
 ) -> Any:
     import torch
     from PIL import Image
-    from transformers import Qwen2VLImageProcessorPil
+
+    from encdisagg import Modality
 
     start = time.perf_counter()
     images = []
@@ -174,7 +181,9 @@ def _colocated_one(
         data = base64.b64decode(url.split(",", 1)[1])
         images.append(Image.open(io.BytesIO(data)).convert("RGB"))
     decoded = time.perf_counter()
-    pixels = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")
+    # The encoders' own preprocessing (the fast path): both sides see the same pixels.
+    features = vision.preprocess(images, Modality.IMAGE).features
+    pixels = {"pixel_values": features["pixel_values"], "image_grid_thw": features["grid_thw"]}
     processed = time.perf_counter()
     merge = int(lm.model.config.vision_config.spatial_merge_size)
     counts = [int(row.prod()) // (merge * merge) for row in pixels["image_grid_thw"]]
@@ -212,7 +221,7 @@ def _colocated_one(
     }
 
 
-async def _colocated(cell: dict[str, Any], lm: Any) -> dict[str, Any]:
+async def _colocated(cell: dict[str, Any], lm: Any, vision: Any) -> dict[str, Any]:
     import anyio
     import anyio.to_thread
 
@@ -231,6 +240,7 @@ async def _colocated(cell: dict[str, Any], lm: Any) -> dict[str, Any]:
             results[request.rid] = await anyio.to_thread.run_sync(
                 _colocated_one,
                 lm,
+                vision,
                 lock,
                 request.prompt,
                 request.images,
@@ -413,20 +423,22 @@ def headlines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     import anyio
 
+    from encdisagg.models import load_model
     from encdisagg.pipeline import LanguageModel
 
     options = parse_options(__doc__.splitlines()[0], argv)
     repeats = options.repeats or options.pick(3, 1)
     lm = LanguageModel.tiny()
+    vision = load_model("tiny")
     rows = []
     colocated_runs: dict[str, list[dict[str, Any]]] = {}
     for cell in _scenarios(options):
         disaggregated: list[dict[str, Any]] = []
         colocated: list[dict[str, Any]] = []
-        anyio.run(_colocated, {**cell, "requests": 1}, lm)  # warm-up
+        anyio.run(_colocated, {**cell, "requests": 1}, lm, vision)  # warm-up
         for _ in range(repeats):
             disaggregated.append(anyio.run(_disaggregated, cell))
-            colocated.append(anyio.run(_colocated, cell, lm))
+            colocated.append(anyio.run(_colocated, cell, lm, vision))
         # Per repeat, then the median over repeats of each figure.
         d_sums = [_summary(run["requests"]) for run in disaggregated]
         c_sums = [_summary(run["requests"]) for run in colocated]
