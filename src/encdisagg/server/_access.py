@@ -135,9 +135,7 @@ class PeerAllowList:
                 req_id=req_id,
             )
 
-    def check_destination(
-        self, destination: Destination, *, field: str = "", req_id: str | None = None
-    ) -> None:
+    def check_destination(self, destination: Destination, *, req_id: str | None = None) -> None:
         """Refuse a ``/send`` destination whose peer is not allowed.
 
         :raises ForbiddenError: naming the field (``session_id`` or ``receive_url``).
@@ -146,6 +144,6 @@ class PeerAllowList:
 
         if isinstance(destination, ZmqDestination):
             endpoint = destination.url.removeprefix("tcp://")
-            self.check(field or "receive_url", endpoint, req_id=req_id)
+            self.check("receive_url", endpoint, req_id=req_id)
         else:
-            self.check(field or "session_id", destination.session_id, req_id=req_id)
+            self.check("session_id", destination.session_id, req_id=req_id)
