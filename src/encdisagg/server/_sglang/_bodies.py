@@ -22,7 +22,7 @@ from .._fields import Count, Identifier, Port, Positive, ReqId, Text, decode_fie
 from .._json import INT_MAX
 from .._messages import MAX_PUSH_URLS, EncodeBody, SendBody
 
-__all__ = ["SglangEncodeBody", "SglangSendBody", "metadata_answer"]
+__all__ = ["SglangEncodeBody", "SglangSendBody"]
 
 _Ports = Annotated[list[Port], msgspec.Meta(min_length=1, max_length=MAX_PUSH_URLS)]
 
@@ -140,18 +140,3 @@ class SglangSendBody(Message, frozen=True):
         send = SendBody(wire.req_id, destination, wire.receive_count)
         return cls(send, wire.part_idx, f"tcp://{endpoint}")
 
-
-def metadata_answer(
-    req_id: str, part_idx: int, nbytes: int, tokens: int, hidden: int
-) -> dict[str, Any]:
-    """``/scheduler_receive_meta_data``'s answer with SGLang's fields alone: SGLang's
-    receiver posts it back as the ``/send`` body."""
-    if part_idx < 0:
-        raise BadRequestError("part_idx must be at least 0")
-    return {
-        "req_id": req_id,
-        "part_idx": part_idx,
-        "embedding_size": nbytes,
-        "embedding_len": tokens,
-        "embedding_dim": hidden,
-    }
