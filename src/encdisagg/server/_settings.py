@@ -147,9 +147,8 @@ class ServerSettings:
                 whole(f.name, value, least=_COUNTS[f.name], error=ConfigError)
             elif f.name == "drain_delay_s":
                 real(f.name, value, least=0, finite=False, error=ConfigError)
-            elif f.name.endswith("_s"):
-                if value is not None or f.name != "worker_stop_timeout_s":
-                    real(f.name, value, above=0, finite=False, error=ConfigError)
+            elif f.name.endswith("_s") and (value is not None or f.name != "worker_stop_timeout_s"):
+                real(f.name, value, above=0, finite=False, error=ConfigError)
         if not isinstance(self.freeze_heap, bool):
             raise ConfigError(f"freeze_heap must be true or false; got {self.freeze_heap!r}")
         if self.worker_backend not in (None, "asyncio", "trio"):
@@ -179,13 +178,9 @@ class ServerSettings:
             PeerAllowList.parse(self.allowed_peers)
         if self.registry is not None:
             parse_registry_url(self.registry)
-        grpc_port: object = self.grpc_port
-        if grpc_port is not None and (
-            isinstance(grpc_port, bool)
-            or not isinstance(grpc_port, int)
-            or not 0 <= grpc_port <= 65535
-        ):
-            raise ConfigError(f"grpc_port must be an integer in [0, 65535]; got {grpc_port!r}")
+        port = self.grpc_port
+        if port is not None and whole("grpc_port", port, error=ConfigError) > 65535:
+            raise ConfigError(f"grpc_port must be an integer in [0, 65535]; got {port!r}")
         if not isinstance(self.grpc_host, str) or not self.grpc_host:
             raise ConfigError("grpc_host must be a non-empty host name or address")
         if self.wire not in ("encdisagg", "sglang", "vllm"):

@@ -103,8 +103,8 @@ class DpWorker:
         self.exited = anyio.Event()
         self.restarts += 1
 
-    def require_alive(self, req_id: str | None) -> DpWorker:
-        """This worker, if it is alive.
+    def require_alive(self, req_id: str | None) -> None:
+        """Refuse a call to this worker unless it is alive.
 
         :raises ServiceUnavailableError: it died or is not ready.
         """
@@ -116,7 +116,6 @@ class DpWorker:
                 else f"{self.describe()} {state}",
                 req_id=req_id,
             )
-        return self
 
 
 def _package_root() -> str:

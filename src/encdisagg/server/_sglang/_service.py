@@ -209,7 +209,6 @@ class SglangService(anyio.AsyncContextManagerMixin):
                 )
         if message.push_urls is None:
             self._destinations.finish(request.req_id)
-        return None
 
     async def scheduler_receive_url(self, body: Mapping[str, object]) -> object:
         """SGLang's ``/scheduler_receive_url``: a scheduler rank's PULL endpoint for a part.
