@@ -71,7 +71,7 @@ def test_one_error_stays_on_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
         ("[encoder]\nsend_timeout_s = [1]\n", "encoder.send_timeout_s must be a number, got"),
         ('[server]\nlog_format = "xml"\n', "server.log_format must be one of text, json"),
         ("[server]\nport = 70000\n", "server.port must be in [0, 65535]; got 70000"),
-        ("[server]\ndp = 0\n", "server.dp must be an integer >= 1; got 0"),
+        ("[server]\ndp = 0\n", "server.dp must be a positive integer; got 0"),
         ("[server]\nmax_body_mb = 0\n", "server.max_body_mb must be at least 1; got 0"),
         ('[encoder]\ndevice = "tpu"\n', "encoder.device must be one of cpu, cuda"),
         ("max_batch_sise = 1\n", "unknown key max_batch_sise (did you mean max_batch_size?)"),

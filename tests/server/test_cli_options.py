@@ -167,7 +167,7 @@ def test_several_bad_flags_are_reported_together(capsys: pytest.CaptureFixture[s
         "  --transfer: transfer must be one of zmq, mooncake, loopback; got 'ftp'",
         "  --log-level: log_level must be one of debug, info, warning, error, critical; got 'loud'",
         "  --port: port must be in [0, 65535]; got -1",
-        "  --dp: dp must be an integer >= 1; got 0",
+        "  --dp: dp must be a positive integer; got 0",
     ]
 
 

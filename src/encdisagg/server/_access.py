@@ -124,10 +124,12 @@ class PeerAllowList:
         return any(address in network for network in self.networks)
 
     def check(self, field: str, endpoint: str, *, req_id: str | None = None) -> None:
-        """Refuse ``endpoint`` (``host:port``) unless its host is allowed.
+        """Refuse ``endpoint`` (``host:port``, ``tcp://`` allowed before it) unless its host
+        is allowed.
 
         :raises ForbiddenError: naming ``field``.
         """
+        endpoint = endpoint.removeprefix("tcp://")
         parsed = split_host_port(endpoint)
         if parsed is None or not self.allows_host(parsed[0]):
             raise ForbiddenError(
@@ -135,9 +137,7 @@ class PeerAllowList:
                 req_id=req_id,
             )
 
-    def check_destination(
-        self, destination: Destination, *, field: str = "", req_id: str | None = None
-    ) -> None:
+    def check_destination(self, destination: Destination, *, req_id: str | None = None) -> None:
         """Refuse a ``/send`` destination whose peer is not allowed.
 
         :raises ForbiddenError: naming the field (``session_id`` or ``receive_url``).
@@ -145,7 +145,6 @@ class PeerAllowList:
         from ..encoder import ZmqDestination
 
         if isinstance(destination, ZmqDestination):
-            endpoint = destination.url.removeprefix("tcp://")
-            self.check(field or "receive_url", endpoint, req_id=req_id)
+            self.check("receive_url", destination.url, req_id=req_id)
         else:
-            self.check(field or "session_id", destination.session_id, req_id=req_id)
+            self.check("session_id", destination.session_id, req_id=req_id)

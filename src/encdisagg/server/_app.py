@@ -73,8 +73,7 @@ async def _register(service: EncoderService, backend: Backend, body: object) -> 
     message = ReceiveUrlBody.from_json(body)
     if service.peers is not None:
         for index, url in enumerate(message.receive_urls):
-            endpoint = url.removeprefix("tcp://")
-            service.peers.check(f"receive_url[{index}]", endpoint, req_id=message.req_id)
+            service.peers.check(f"receive_url[{index}]", url, req_id=message.req_id)
     await backend.register(message)
     return None
 

@@ -75,9 +75,9 @@ def _check(value: object) -> None:
     stack: list[tuple[object, tuple[str | int, ...]]] = [(value, ())]
     while stack:
         item, path = stack.pop()
+        if isinstance(item, (dict, list)) and len(path) >= MAX_DEPTH:
+            raise BadRequestError(f"{_path(path)} is nested more than {MAX_DEPTH} levels deep")
         if isinstance(item, dict):
-            if len(path) >= MAX_DEPTH:
-                raise BadRequestError(f"{_path(path)} is nested more than {MAX_DEPTH} levels deep")
             for key, child in item.items():
                 if _has_surrogate(key):
                     raise BadRequestError(
@@ -86,8 +86,6 @@ def _check(value: object) -> None:
                     )
                 stack.append((child, (*path, key)))
         elif isinstance(item, list):
-            if len(path) >= MAX_DEPTH:
-                raise BadRequestError(f"{_path(path)} is nested more than {MAX_DEPTH} levels deep")
             stack.extend((child, (*path, index)) for index, child in enumerate(item))
         elif isinstance(item, str):
             if _has_surrogate(item):

@@ -46,6 +46,7 @@ __all__ = [
     "ReceiveUrlBody",
     "ReleaseBody",
     "SendBody",
+    "metadata_json",
     "result_from_wire",
     "result_json",
     "result_to_wire",
@@ -314,14 +315,22 @@ class ReleaseBody(_Body, frozen=True):
 def result_json(result: EncodeResult, part_idx: int) -> dict[str, Any]:
     """The answer of ``/encode`` and ``/scheduler_receive_meta_data`` (SGLang's names)."""
     return {
-        "req_id": result.req_id,
+        **metadata_json(result.req_id, part_idx, result),
+        "token_counts": list(result.token_counts),
+        "grid": [list(row) for row in result.grid],
+        **_timing_json(result),
+    }
+
+
+def metadata_json(req_id: str, part_idx: int, result: EncodeResult) -> dict[str, Any]:
+    """The part's sizes under SGLang's names alone: the ``--wire sglang`` answer of
+    ``/scheduler_receive_meta_data``, which SGLang's receiver posts back as ``/send``."""
+    return {
+        "req_id": req_id,
         "part_idx": part_idx,
         "embedding_size": result.nbytes,
         "embedding_len": result.num_tokens,
         "embedding_dim": result.hidden_size,
-        "token_counts": list(result.token_counts),
-        "grid": [list(row) for row in result.grid],
-        **_timing_json(result),
     }
 
 

@@ -11,20 +11,22 @@ from typing import Final
 
 from .._devices import CANONICAL_DTYPES, check_device, check_dtype
 from .._errors import ConfigError
+from .._numbers import real, whole
 from ..registry import parse_registry_url
 from ._access import ApiKey, PeerAllowList
 
 __all__ = ["ServerSettings", "canonical_dtype"]
 
-#: The integer settings: at least 1, but ``worker_restart_limit`` (0: never restart).
-_COUNTS: Final = (
-    "dp",
-    "max_body_bytes",
-    "worker_max_inflight",
-    "ready_min_workers",
-    "worker_restart_limit",
-    "vllm_store_max_bytes",
-)
+#: The integer settings and their least value (``worker_restart_limit`` 0: never restart).
+_COUNTS: Final = {
+    "dp": 1,
+    "max_body_bytes": 1,
+    "worker_max_inflight": 1,
+    "ready_min_workers": 1,
+    "worker_restart_limit": 0,
+    "vllm_store_max_bytes": 1,
+    "registry_lease_ttl_s": 2,
+}
 #: vLLM's EC connectors this server produces for: shared storage, and the Mooncake push.
 _VLLM_CONNECTORS: Final = ("example", "mooncake")
 
@@ -142,18 +144,11 @@ class ServerSettings:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in _COUNTS:
-                least = 0 if f.name == "worker_restart_limit" else 1
-                if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                    raise ConfigError(f"{f.name} must be an integer >= {least}; got {value!r}")
-            elif f.name.endswith("_s"):
-                if value is None and f.name == "worker_stop_timeout_s":
-                    continue
-                if f.name == "drain_delay_s":
-                    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                        raise ConfigError(f"drain_delay_s must be a number >= 0; got {value!r}")
-                    continue
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                    raise ConfigError(f"{f.name} must be a positive number; got {value!r}")
+                whole(f.name, value, least=_COUNTS[f.name], error=ConfigError)
+            elif f.name == "drain_delay_s":
+                real(f.name, value, least=0, finite=False, error=ConfigError)
+            elif f.name.endswith("_s") and (value is not None or f.name != "worker_stop_timeout_s"):
+                real(f.name, value, above=0, finite=False, error=ConfigError)
         if not isinstance(self.freeze_heap, bool):
             raise ConfigError(f"freeze_heap must be true or false; got {self.freeze_heap!r}")
         if self.worker_backend not in (None, "asyncio", "trio"):
@@ -183,15 +178,9 @@ class ServerSettings:
             PeerAllowList.parse(self.allowed_peers)
         if self.registry is not None:
             parse_registry_url(self.registry)
-        if isinstance(self.registry_lease_ttl_s, float) or self.registry_lease_ttl_s < 2:
-            raise ConfigError("registry_lease_ttl_s must be an integer >= 2")
-        grpc_port: object = self.grpc_port
-        if grpc_port is not None and (
-            isinstance(grpc_port, bool)
-            or not isinstance(grpc_port, int)
-            or not 0 <= grpc_port <= 65535
-        ):
-            raise ConfigError(f"grpc_port must be an integer in [0, 65535]; got {grpc_port!r}")
+        port = self.grpc_port
+        if port is not None and whole("grpc_port", port, error=ConfigError) > 65535:
+            raise ConfigError(f"grpc_port must be an integer in [0, 65535]; got {port!r}")
         if not isinstance(self.grpc_host, str) or not self.grpc_host:
             raise ConfigError("grpc_host must be a non-empty host name or address")
         if self.wire not in ("encdisagg", "sglang", "vllm"):

@@ -26,5 +26,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def host_port(host: str, port: object) -> str:
-    """``host:port``, an IPv6 address in brackets (``[::1]:8000``). Not async."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    """``host:port``, an IPv6 address in brackets (``[::1]:8000``; a bracketed one as it
+    is). Not async."""
+    bracket = ":" in host and not host.startswith("[")
+    return f"[{host}]:{port}" if bracket else f"{host}:{port}"

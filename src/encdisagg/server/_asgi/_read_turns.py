@@ -38,6 +38,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
 
 from ..._errors import BadRequestError
+from ..._numbers import whole
 from ._eof_close import _TrioTCPServer
 
 __all__ = [
@@ -77,9 +78,7 @@ class ReadTurns:
     """
 
     def __init__(self, turns: int) -> None:
-        if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
-            raise BadRequestError(f"read turns must be an integer >= 1; got {turns!r}")
-        self.turns = turns
+        self.turns = whole("read turns", turns, least=1, error=BadRequestError)
         self._free = turns
         self._waiting: list[_Waiter] = []
         self._ages = itertools.count()

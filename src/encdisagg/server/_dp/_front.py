@@ -36,6 +36,7 @@ import zmq
 
 from ..._config import EncoderConfig
 from ..._errors import EncdisaggError, NotFoundError, ServiceUnavailableError
+from ..._numbers import whole
 from ...encoder import EncodeResult
 from ...nurseries import ServiceTaskGroup, collapse_single_error, run_thread_to_completion
 from .._backend import HealthReport
@@ -112,11 +113,9 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
         settings: ServerSettings | None = None,
         worker_command: Sequence[str] | None = None,
     ) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be at least 1; got {workers}")
+        self._size = whole("workers", workers, least=1)
         self.config = config
         self.settings = settings or ServerSettings(dp=workers)
-        self._size = workers
         self._worker_command = (
             list(worker_command)
             if worker_command is not None

@@ -30,18 +30,8 @@ import msgpack
 import msgspec
 import zmq
 
-from ... import _strict
-from ..._errors import (
-    BadRequestError,
-    EncdisaggError,
-    InternalError,
-    NotFoundError,
-    RequestNotActiveError,
-    RequestTimeoutError,
-    ServiceUnavailableError,
-    TransferError,
-    TransferTimeoutError,
-)
+from ... import _errors, _strict
+from ..._errors import EncdisaggError
 
 __all__ = [
     "MAX_REASON_CHARS",
@@ -62,22 +52,6 @@ MAX_MESSAGE_BYTES: Final = 1024 * 1024 * 1024
 #: Longest startup failure reason the front shows (one line for the user).
 MAX_REASON_CHARS: Final = 2000
 
-_ERRORS: Final[dict[str, type[EncdisaggError]]] = {
-    cls.__name__: cls
-    for cls in (
-        EncdisaggError,
-        BadRequestError,
-        NotFoundError,
-        RequestNotActiveError,
-        RequestTimeoutError,
-        TransferError,
-        TransferTimeoutError,
-        ServiceUnavailableError,
-        InternalError,
-    )
-}
-
-
 _ErrorName = Literal[
     "EncdisaggError",
     "BadRequestError",
@@ -89,7 +63,10 @@ _ErrorName = Literal[
     "ServiceUnavailableError",
     "InternalError",
 ]
-assert frozenset(get_args(_ErrorName)) == _ERRORS.keys()
+#: The error classes a reply may carry, by name: never an arbitrary class.
+_ERRORS: Final[dict[str, type[EncdisaggError]]] = {
+    name: getattr(_errors, name) for name in get_args(_ErrorName)
+}
 
 
 class MalformedMessage(ValueError):

@@ -103,8 +103,8 @@ class DpWorker:
         self.exited = anyio.Event()
         self.restarts += 1
 
-    def require_alive(self, req_id: str | None) -> DpWorker:
-        """This worker, if it is alive.
+    def require_alive(self, req_id: str | None) -> None:
+        """Refuse a call to this worker unless it is alive.
 
         :raises ServiceUnavailableError: it died or is not ready.
         """
@@ -116,7 +116,6 @@ class DpWorker:
                 else f"{self.describe()} {state}",
                 req_id=req_id,
             )
-        return self
 
 
 def _package_root() -> str:
@@ -130,8 +129,7 @@ class WorkerSupervisor:
 
     :param on_exit: called (synchronously) when a worker exits, with the worker and the
         message its unanswered calls fail with.
-    :param channels: fresh work and control channels for a new process of a rank; without
-        it, a worker that dies is not restarted.
+    :param channels: fresh work and control channels for a new process of a rank.
     """
 
     def __init__(
@@ -142,7 +140,7 @@ class WorkerSupervisor:
         settings: ServerSettings,
         stop_timeout_s: float,
         on_exit: Callable[[DpWorker, str], None],
-        channels: Callable[[DpWorker], tuple[IpcSocket, IpcSocket]] | None = None,
+        channels: Callable[[DpWorker], tuple[IpcSocket, IpcSocket]],
     ) -> None:
         self._workers = workers
         self._command = list(command)
@@ -273,7 +271,7 @@ class WorkerSupervisor:
     def _plan_restart(self, worker: DpWorker) -> None:
         """Start a dead worker again after its backoff, or give up on it. Synchronous."""
         delay = self._policy.on_death(worker.rank, anyio.current_time())
-        if delay is None or self._channels is None or self._spawn_args is None:
+        if delay is None or self._spawn_args is None:
             _log.error(
                 "giving up on data-parallel worker %s: it died %s time(s) within %s s; the "
                 "other workers go on serving",
@@ -289,7 +287,6 @@ class WorkerSupervisor:
         await anyio.sleep(delay_s)
         if self.stopping:
             return
-        assert self._channels is not None
         assert self._spawn_args is not None
         results_url, backend_name, group = self._spawn_args
         worker.renew(*self._channels(worker))

@@ -18,11 +18,12 @@ from ..._errors import BadRequestError
 from ..._modality import Modality
 from ..._strict import Message
 from ...encoder import MooncakeDestination
+from .._asgi._listen import host_port
 from .._fields import Count, Identifier, Port, Positive, ReqId, Text, decode_fields
 from .._json import INT_MAX
 from .._messages import MAX_PUSH_URLS, EncodeBody, SendBody
 
-__all__ = ["SglangEncodeBody", "SglangSendBody", "metadata_answer"]
+__all__ = ["SglangEncodeBody", "SglangSendBody"]
 
 _Ports = Annotated[list[Port], msgspec.Meta(min_length=1, max_length=MAX_PUSH_URLS)]
 
@@ -86,18 +87,13 @@ class SglangEncodeBody(Message, frozen=True):
                     req_id=encode.req_id,
                 )
             ports = wire.embedding_port
-            host = _bracketed(wire.prefill_host)
             urls = tuple(
                 dict.fromkeys(
-                    f"tcp://{host}:{port}"
+                    f"tcp://{host_port(wire.prefill_host, port)}"
                     for port in (ports if isinstance(ports, list) else [ports])
                 )
             )
         return cls(encode, Modality.parse(encode.modality), wire.prefill_host, urls)
-
-
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class _SendWire(Message, frozen=True):
@@ -135,23 +131,7 @@ class SglangSendBody(Message, frozen=True):
         # A registered address is a 64-bit pointer; anything larger no engine can take.
         if wire.buffer_address > INT_MAX:
             raise BadRequestError(f"buffer_address must be at most {INT_MAX}", req_id=wire.req_id)
-        endpoint = f"{_bracketed(wire.prefill_host)}:{wire.embedding_port}"
+        endpoint = host_port(wire.prefill_host, wire.embedding_port)
         destination = MooncakeDestination(wire.session_id, wire.buffer_address, endpoint)
         send = SendBody(wire.req_id, destination, wire.receive_count)
         return cls(send, wire.part_idx, f"tcp://{endpoint}")
-
-
-def metadata_answer(
-    req_id: str, part_idx: int, nbytes: int, tokens: int, hidden: int
-) -> dict[str, Any]:
-    """``/scheduler_receive_meta_data``'s answer with SGLang's fields alone: SGLang's
-    receiver posts it back as the ``/send`` body."""
-    if part_idx < 0:
-        raise BadRequestError("part_idx must be at least 0")
-    return {
-        "req_id": req_id,
-        "part_idx": part_idx,
-        "embedding_size": nbytes,
-        "embedding_len": tokens,
-        "embedding_dim": hidden,
-    }

@@ -41,7 +41,6 @@ _log = logging.getLogger("encdisagg.server")
 SERVICE_NAME: Final = "sglang.grpc.encoder.SglangEncoder"
 #: SGLang's gRPC encoder is image-only: its EncodeRequest has no modality field.
 _GRPC_MODALITY: Final = "IMAGE"
-_MAX_DETAILS_CHARS: Final = 1000
 
 Body = Mapping[str, object]
 
@@ -134,12 +133,6 @@ def encode_response(answer: object) -> pb.EncodeResponse:
     )
 
 
-def _public(message: str) -> str:
-    # Scrubbed of object reprs (addresses of this process) as the HTTP routes' answers are.
-    text = public_message(message)
-    return text if len(text) <= _MAX_DETAILS_CHARS else text[:_MAX_DETAILS_CHARS] + "..."
-
-
 def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status code and details an RPC that raised ``exc`` ends with. Not async.
 
@@ -148,7 +141,9 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     answered.
     """
     if isinstance(exc, EncdisaggError):
-        return grpc.StatusCode[grpc_code_of(exc)], _public(exc.message)
+        # Scrubbed of object reprs (addresses of this process) and bounded, as the HTTP
+        # routes' answers are.
+        return grpc.StatusCode[grpc_code_of(exc)], public_message(exc.message)
     return grpc.StatusCode.INTERNAL, "internal server error"
 
 

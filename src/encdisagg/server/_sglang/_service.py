@@ -57,8 +57,8 @@ from ...transfer._wire import ForeignHeader
 from .._access import PeerAllowList
 from .._backend import Backend, LocalBackend, release_within
 from .._client_watch import note_staged
-from .._messages import MetadataBody, ReceiveUrlBody, SendBody
-from ._bodies import SglangEncodeBody, SglangSendBody, metadata_answer
+from .._messages import MetadataBody, ReceiveUrlBody, SendBody, metadata_json
+from ._bodies import SglangEncodeBody, SglangSendBody
 from ._destinations import PushDestinations
 from ._video import VideoFields, video_aux, video_fields
 
@@ -209,7 +209,6 @@ class SglangService(anyio.AsyncContextManagerMixin):
                 )
         if message.push_urls is None:
             self._destinations.finish(request.req_id)
-        return None
 
     async def scheduler_receive_url(self, body: Mapping[str, object]) -> object:
         """SGLang's ``/scheduler_receive_url``: a scheduler rank's PULL endpoint for a part.
@@ -251,9 +250,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
             raise
         except EncdisaggError as exc:
             raise InternalError(exc.message, req_id=message.req_id) from None
-        return metadata_answer(
-            message.req_id, message.part_idx, result.nbytes, result.num_tokens, result.hidden_size
-        )
+        return metadata_json(message.req_id, message.part_idx, result)
 
     async def send(self, body: Mapping[str, object]) -> object:
         """SGLang's ``/send`` (Mooncake): write the part into the rank's buffer, then push
@@ -316,7 +313,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
 
     def _check_peer(self, name: str, url: str, req_id: str) -> None:
         if self._peers is not None:
-            self._peers.check(name, url.removeprefix("tcp://"), req_id=req_id)
+            self._peers.check(name, url, req_id=req_id)
 
     async def _encode_mooncake(
         self, message: SglangEncodeBody, body: Mapping[str, object]

@@ -181,11 +181,17 @@ async def _reserve(
     await _on_each(addresses, one, timed_out=unanswered.append)
 
 
-def _shard(address: str, answer: object, now: float) -> Shard:
+def _one_item(answer: object, op: str, address: str) -> object:
+    """The one item of a batch's answer (every batch here holds one item)."""
     items = answer.get("items") if isinstance(answer, dict) else None
     if not isinstance(items, list) or len(items) != 1:
-        raise ControlError(f"reserve_batch to {address}: expected one item in the answer")
-    result = control_result(items[0], "reserve_batch", address)
+        raise ControlError(f"{op} to {address}: expected one item in the answer")
+    return items[0]
+
+
+def _shard(address: str, answer: object, now: float) -> Shard:
+    item = _one_item(answer, "reserve_batch", address)
+    result = control_result(item, "reserve_batch", address)
     if not isinstance(result, dict):
         raise ControlError(f"reserve_batch to {address}: the item has no result")
     try:
@@ -246,13 +252,8 @@ async def _complete(channel: ControlChannel, spec: PushSpec, shards: list[Shard]
                 ],
             },
         )
-        items = answer.get("items") if isinstance(answer, dict) else None
-        if (
-            not isinstance(items, list)
-            or len(items) != 1
-            or not isinstance(items[0], dict)
-            or items[0].get("completed") is not True
-        ):
+        item = _one_item(answer, "complete_batch", shard.address)
+        if not isinstance(item, dict) or item.get("completed") is not True:
             raise ControlError(
                 f"complete_batch to {shard.address}: the reservation was not completed"
             )

@@ -206,9 +206,7 @@ class VllmService(anyio.AsyncContextManagerMixin):
                 "storage (--vllm-connector example)"
             )
         if self._peers is not None and message.consumer_zmq is not None:
-            self._peers.check(
-                "ec_transfer_params.consumer_zmq", message.consumer_zmq.removeprefix("tcp://")
-            )
+            self._peers.check("ec_transfer_params.consumer_zmq", message.consumer_zmq)
 
     async def _item(self, req_id: str, message: ChatBody, items: list[MediaItem]) -> dict[str, Any]:
         first = items[0]
