@@ -32,6 +32,7 @@ import anyio
 import anyio.lowlevel
 
 from .._errors import BadRequestError, RequestTimeoutError
+from .._numbers import whole
 from .._modality import Modality
 from ._call_errors import (
     TIMED_OUT,
@@ -116,8 +117,7 @@ async def fetch_from_fleet(
     fleet = client.fleet
     if fleet is None:
         raise BadRequestError("fetch_from_fleet needs an EncoderClient(registry=...)")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise BadRequestError(f"max_attempts must be an integer >= 1; got {max_attempts!r}")
+    whole("max_attempts", max_attempts, least=1, error=BadRequestError)
     if not timeout_s > 0:
         raise BadRequestError(f"timeout_s must be a positive number; got {timeout_s!r}")
 

@@ -35,6 +35,7 @@ import anyio
 import httpx
 
 from .._errors import BadRequestError, ServiceUnavailableError
+from .._numbers import whole
 from .._modality import Modality
 from ..registry import EncoderRecord, RegistryUrl, RegistryView, RegistryWatcher
 from ._plan import RequestPlan, attempt_rid, check_rid, cut, group_items, numbered
@@ -78,8 +79,8 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         transport: httpx.AsyncBaseTransport | None = None,
         routing: FleetRouting | None = None,
     ) -> None:
-        if max_parts is not None and (isinstance(max_parts, bool) or max_parts < 1):
-            raise BadRequestError(f"max_parts must be an integer >= 1; got {max_parts!r}")
+        if max_parts is not None:
+            whole("max_parts", max_parts, least=1, error=BadRequestError)
         self._watcher = RegistryWatcher(registry, transport=transport)
         self.registry = self._watcher.registry
         self.model = model
