@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
 from .._errors import InternalError
-from .._numbers import whole
+from .._numbers import real, whole
 from ..transfer import HeldLedger, Hold, HoldPolicy
 from ._acks import AbortAckTracker
 from ._deferred import DeferredResolution, HeldRelease, hold_for, log_retired, log_reused
@@ -117,8 +117,7 @@ class DecodeTransferQueue:
         on_timeout: HoldPolicy | str = HoldPolicy.REUSE,
         page_bytes: int = 0,
     ) -> None:
-        if not release_timeout_s >= 0:
-            raise ValueError(f"release_timeout_s must be >= 0, got {release_timeout_s!r}")
+        real("release_timeout_s", release_timeout_s, least=0, finite=False)
         whole("page_bytes", page_bytes)
         self.kv = kv
         self.slots = slots

@@ -32,8 +32,8 @@ import anyio
 import anyio.lowlevel
 
 from .._errors import BadRequestError, RequestTimeoutError
-from .._numbers import whole
 from .._modality import Modality
+from .._numbers import real, whole
 from ._call_errors import (
     TIMED_OUT,
     UNREACHABLE,
@@ -118,8 +118,7 @@ async def fetch_from_fleet(
     if fleet is None:
         raise BadRequestError("fetch_from_fleet needs an EncoderClient(registry=...)")
     whole("max_attempts", max_attempts, least=1, error=BadRequestError)
-    if not timeout_s > 0:
-        raise BadRequestError(f"timeout_s must be a positive number; got {timeout_s!r}")
+    real("timeout_s", timeout_s, above=0, finite=False, error=BadRequestError)
 
     def plan(attempt: int, excluded: set[str]) -> RequestPlan:
         return fleet._plan_attempt(rid, attempt, items, excluded)

@@ -35,8 +35,8 @@ import anyio
 import httpx
 
 from .._errors import BadRequestError, ServiceUnavailableError
-from .._numbers import whole
 from .._modality import Modality
+from .._numbers import whole
 from ..registry import EncoderRecord, RegistryUrl, RegistryView, RegistryWatcher
 from ._plan import RequestPlan, attempt_rid, check_rid, cut, group_items, numbered
 from ._routing import FleetRouting, Slot, affinity_key, rendezvous_weight, route_items

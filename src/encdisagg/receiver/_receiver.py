@@ -28,8 +28,8 @@ import anyio.lowlevel
 import torch
 
 from .. import _tracing
-from .._numbers import real, whole
 from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
+from .._numbers import real, whole
 from ..transfer import EmbeddingLayout, HoldPolicy, ReceivedPart, ZmqReceiver
 from ._encoder_wire import engine_address
 from ._landing import LandingPool
