@@ -186,7 +186,7 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         if self._sent_against.get(record.url) is not record:
             self._sent[record.url] = deque()
             self._sent_against[record.url] = record
-        self._sent.setdefault(record.url, deque()).append(anyio.current_time())
+        self._sent[record.url].append(anyio.current_time())
 
     def part_finished(self, url: str) -> None:
         """A part this client sent to ``url`` ended (delivered or failed): it stops counting
