@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
+from .._numbers import real, whole
+
 __all__ = ["BreakerState", "CircuitBreaker"]
 
 
@@ -34,10 +36,8 @@ class CircuitBreaker:
     """
 
     def __init__(self, *, threshold: int, cooldown_s: float, clock: Callable[[], float]) -> None:
-        if threshold < 1:
-            raise ValueError(f"threshold must be at least 1; got {threshold}")
-        if not cooldown_s > 0:
-            raise ValueError(f"cooldown_s must be positive; got {cooldown_s}")
+        whole("threshold", threshold, least=1)
+        real("cooldown_s", cooldown_s, above=0, finite=False)
         self.threshold = threshold
         self.cooldown_s = cooldown_s
         self._clock = clock

@@ -120,6 +120,14 @@ class _BufferHandle(Protocol):
     def size(self) -> int: ...
 
 
+def _check_count(call: str, answers: Sequence[object], what: str, keys: Sequence[str]) -> None:
+    """:raises TransferError: a batch call answered other than one ``what`` per key."""
+    if len(answers) != len(keys):
+        raise TransferError(
+            f"mooncake store {call} answered {len(answers)} {what} for {len(keys)} keys"
+        )
+
+
 def _store_class() -> Callable[[], object]:
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -166,10 +174,7 @@ class MooncakeEmbeddingStore:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         api = self._require("batch_is_exist")
         codes = api.batch_is_exist(list(keys))
-        if len(codes) != len(keys):
-            raise TransferError(
-                f"mooncake store batch_is_exist answered {len(codes)} codes for {len(keys)} keys"
-            )
+        _check_count("batch_is_exist", codes, "codes", keys)
         failed = [code for code in codes if code not in (0, 1)]
         if failed:
             raise TransferError(f"mooncake store batch_is_exist failed (rc={rc_name(failed[0])})")
@@ -178,11 +183,7 @@ class MooncakeEmbeddingStore:
     def fetch(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         api = self._require("batch_get_buffer")
         handles = api.batch_get_buffer(list(keys))
-        if len(handles) != len(keys):
-            raise TransferError(
-                f"mooncake store batch_get_buffer answered {len(handles)} buffers for "
-                f"{len(keys)} keys"
-            )
+        _check_count("batch_get_buffer", handles, "buffers", keys)
         values: list[torch.Tensor | None] = []
         try:
             for handle in handles:

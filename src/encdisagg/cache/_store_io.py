@@ -95,10 +95,7 @@ def put_entry(
     """Store ``item`` under ``key``. Blocking: a worker thread."""
     # The payload view references `rows`, which keeps the memory alive for as long as the
     # store reads it.
-    rows = item.rows.detach()
-    if rows.device.type != "cpu":
-        rows = rows.to("cpu")
-    rows = rows.contiguous()
+    rows = item.rows.detach().to("cpu").contiguous()
     header = entry_header(item.tokens, hidden_size, dtype, item.grid)
     store.put(key, header, payload_view(rows))
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .._errors import InternalError
+from .._numbers import whole
 from ._pages import PageSource
 from ._prealloc import DecodePreallocQueue, RetractedRequest
 from ._request import DecodeRequest
@@ -152,8 +153,8 @@ class DecodeBatchScheduler:
         prepare_prebuilt: Callable[[list[RunningRequest]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if page_tokens < 1 or max_running < 1:
-            raise ValueError("page_tokens and max_running must be positive")
+        whole("page_tokens", page_tokens, least=1)
+        whole("max_running", max_running, least=1)
         self.transfer = transfer
         self.prealloc = prealloc
         self.pages = pages

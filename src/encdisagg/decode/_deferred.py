@@ -52,16 +52,17 @@ def hold_for(req: DecodeRequest, generation: int, page_bytes: int) -> Hold:
     return Hold(what, len(req.pages) * page_bytes)
 
 
+def _held_for(entry: HeldRelease, acked: int, now: float) -> tuple[object, ...]:
+    """What both deadline logs say first: whose KV, held how long, with how many acks."""
+    return (entry.req.rid, entry.req.room, now - entry.held_at, acked, entry.required_acks)
+
+
 def log_reused(entry: HeldRelease, acked: int, now: float) -> None:
     """Log that ``entry`` is released at its deadline with ``acked`` acks (``REUSE``)."""
     _log.warning(
         "releasing KV of request %r (room %d) after %.1f s with %d of %d drained-acks: "
         "a late write could still land",
-        entry.req.rid,
-        entry.req.room,
-        now - entry.held_at,
-        acked,
-        entry.required_acks,
+        *_held_for(entry, acked, now),
     )
 
 
@@ -71,11 +72,7 @@ def log_retired(entry: HeldRelease, acked: int, now: float) -> None:
         "retired KV of request %r (room %d) after %.1f s with %d of %d drained-acks: its %d "
         "pages and metadata slot %s stay out of use until every rank acks generation %d "
         "(on_timeout=retire)",
-        entry.req.rid,
-        entry.req.room,
-        now - entry.held_at,
-        acked,
-        entry.required_acks,
+        *_held_for(entry, acked, now),
         len(entry.req.pages),
         entry.req.metadata_slot,
         entry.generation,

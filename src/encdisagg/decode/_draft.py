@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .._errors import InternalError
+from .._numbers import whole
 
 __all__ = ["DraftLayout", "DraftState"]
 
@@ -44,8 +45,8 @@ class DraftLayout:
     hidden_size: int
 
     def __post_init__(self) -> None:
-        if self.top_k < 1 or self.hidden_size < 1:
-            raise ValueError(f"top_k and hidden_size must be positive: {self}")
+        whole("top_k", self.top_k, least=1)
+        whole("hidden_size", self.hidden_size, least=1)
 
     @property
     def words(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from .._errors import InternalError
+from .._numbers import whole
 
 __all__ = ["PageAllocator", "PageSource"]
 
@@ -43,8 +44,7 @@ class PageAllocator:
     __slots__ = ("_free", "_is_free", "_num_pages")
 
     def __init__(self, num_pages: int) -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise ValueError(f"num_pages must be a non-negative integer, got {num_pages!r}")
+        whole("num_pages", num_pages)
         self._num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._is_free = bytearray(b"\x01" * num_pages)

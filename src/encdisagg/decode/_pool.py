@@ -17,6 +17,7 @@ import anyio.lowlevel
 import torch
 
 from .._errors import InternalError, TransferError
+from .._numbers import real, whole
 from ..transfer import Hold, MemoryRegistration, MemoryRegistrationState
 from ._pages import PageAllocator
 from ._request import DecodeRequest
@@ -127,8 +128,7 @@ class _RegisteredBuffer:
         :raises InternalError: if the buffer is registered already.
         :raises ValueError: for a negative ``close_timeout_s``.
         """
-        if not close_timeout_s >= 0:
-            raise ValueError(f"close_timeout_s must be >= 0, got {close_timeout_s!r}")
+        real("close_timeout_s", close_timeout_s, least=0, finite=False)
         if self._registration is not None:
             raise InternalError(f"{self._what} is registered already")
         registration = MemoryRegistration(
@@ -236,10 +236,8 @@ class MetadataSlotTable(_RegisteredBuffer):
     def __init__(
         self, size: int, *, extra_words: int = 0, device: torch.device | str = "cpu"
     ) -> None:
-        if size < 0:
-            raise ValueError(f"size must be non-negative, got {size}")
-        if extra_words < 0:
-            raise ValueError(f"extra_words must be non-negative, got {extra_words}")
+        whole("size", size)
+        whole("extra_words", extra_words)
         self.size = size
         self.extra_words = extra_words
         self.rows = torch.zeros((size, _ROW_WORDS + extra_words), dtype=torch.int64, device=device)

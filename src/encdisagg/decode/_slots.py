@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._errors import InternalError
+from .._numbers import whole
 
 __all__ = ["MetadataRow", "MetadataSlotAllocator"]
 
@@ -45,8 +46,7 @@ class MetadataSlotAllocator:
     __slots__ = ("_free", "_is_free", "_size", "_zero_slot")
 
     def __init__(self, size: int, *, zero_slot: Callable[[int], None] | None = None) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"size must be a non-negative integer, got {size!r}")
+        whole("size", size)
         self._size = size
         self._zero_slot = zero_slot
         self._free: deque[int] = deque(range(size))

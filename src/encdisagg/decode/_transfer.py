@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
 from .._errors import InternalError
+from .._numbers import real, whole
 from ..transfer import HeldLedger, Hold, HoldPolicy
 from ._acks import AbortAckTracker
 from ._deferred import DeferredResolution, HeldRelease, hold_for, log_retired, log_reused
@@ -116,10 +117,8 @@ class DecodeTransferQueue:
         on_timeout: HoldPolicy | str = HoldPolicy.REUSE,
         page_bytes: int = 0,
     ) -> None:
-        if not release_timeout_s >= 0:
-            raise ValueError(f"release_timeout_s must be >= 0, got {release_timeout_s!r}")
-        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes < 0:
-            raise ValueError(f"page_bytes must be a non-negative integer, got {page_bytes!r}")
+        real("release_timeout_s", release_timeout_s, least=0, finite=False)
+        whole("page_bytes", page_bytes)
         self.kv = kv
         self.slots = slots
         self.acks = acks

@@ -16,6 +16,7 @@ import httpx
 from .. import _tracing
 from .._errors import BadRequestError, ConfigError, EncdisaggError, ServiceUnavailableError
 from .._modality import Modality
+from .._numbers import real
 from ._call_errors import (
     TIMED_OUT,
     UNREACHABLE,
@@ -130,8 +131,7 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
             ("release_timeout_s", release_timeout_s),
             ("connect_timeout_s", connect_timeout_s),
         ):
-            if not value > 0:
-                raise ConfigError(f"{name} must be a positive number; got {value!r}")
+            real(name, value, above=0, finite=False, error=ConfigError)
         self._urls = tuple(url.rstrip("/") for url in urls)
         self._encode_timeout_s = encode_timeout_s
         self._send_timeout_s = send_timeout_s

@@ -33,6 +33,7 @@ import anyio.lowlevel
 
 from .._errors import BadRequestError, RequestTimeoutError
 from .._modality import Modality
+from .._numbers import real, whole
 from ._call_errors import (
     TIMED_OUT,
     UNREACHABLE,
@@ -116,10 +117,8 @@ async def fetch_from_fleet(
     fleet = client.fleet
     if fleet is None:
         raise BadRequestError("fetch_from_fleet needs an EncoderClient(registry=...)")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise BadRequestError(f"max_attempts must be an integer >= 1; got {max_attempts!r}")
-    if not timeout_s > 0:
-        raise BadRequestError(f"timeout_s must be a positive number; got {timeout_s!r}")
+    whole("max_attempts", max_attempts, least=1, error=BadRequestError)
+    real("timeout_s", timeout_s, above=0, finite=False, error=BadRequestError)
 
     def plan(attempt: int, excluded: set[str]) -> RequestPlan:
         return fleet._plan_attempt(rid, attempt, items, excluded)

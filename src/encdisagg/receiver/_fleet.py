@@ -36,6 +36,7 @@ import httpx
 
 from .._errors import BadRequestError, ServiceUnavailableError
 from .._modality import Modality
+from .._numbers import whole
 from ..registry import EncoderRecord, RegistryUrl, RegistryView, RegistryWatcher
 from ._plan import RequestPlan, attempt_rid, check_rid, cut, group_items, numbered
 from ._routing import FleetRouting, Slot, affinity_key, rendezvous_weight, route_items
@@ -78,8 +79,8 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         transport: httpx.AsyncBaseTransport | None = None,
         routing: FleetRouting | None = None,
     ) -> None:
-        if max_parts is not None and (isinstance(max_parts, bool) or max_parts < 1):
-            raise BadRequestError(f"max_parts must be an integer >= 1; got {max_parts!r}")
+        if max_parts is not None:
+            whole("max_parts", max_parts, least=1, error=BadRequestError)
         self._watcher = RegistryWatcher(registry, transport=transport)
         self.registry = self._watcher.registry
         self.model = model
@@ -185,7 +186,7 @@ class EncoderFleet(anyio.AsyncContextManagerMixin):
         if self._sent_against.get(record.url) is not record:
             self._sent[record.url] = deque()
             self._sent_against[record.url] = record
-        self._sent.setdefault(record.url, deque()).append(anyio.current_time())
+        self._sent[record.url].append(anyio.current_time())
 
     def part_finished(self, url: str) -> None:
         """A part this client sent to ``url`` ended (delivered or failed): it stops counting

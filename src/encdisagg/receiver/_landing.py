@@ -23,6 +23,7 @@ import anyio.lowlevel
 import torch
 
 from .._errors import InternalError
+from .._numbers import whole
 from ..transfer import HeldLedger, Hold, MemoryRegistration
 
 if TYPE_CHECKING:
@@ -58,10 +59,8 @@ class LandingPool:
     """
 
     def __init__(self, num_pages: int, page_bytes: int) -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
-        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes < 1:
-            raise ValueError(f"page_bytes must be a positive integer, got {page_bytes!r}")
+        whole("num_pages", num_pages, least=1)
+        whole("page_bytes", page_bytes, least=1)
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.buffer = torch.zeros(num_pages * page_bytes, dtype=torch.uint8)

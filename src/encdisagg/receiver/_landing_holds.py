@@ -73,11 +73,6 @@ class HeldLandings(anyio.AsyncContextManagerMixin):
         self._asking = 0
         self._asked = anyio.Event()
 
-    @property
-    def asking(self) -> int:
-        """How many held runs' encoders are still being asked."""
-        return self._asking
-
     def hold(self, run: PageRun, part_id: str, recheck: Recheck | None) -> None:
         """Hold live ``run`` of part ``part_id``: a write may still land in it.
 

@@ -254,18 +254,11 @@ class PendingEmbeddings:
         parts = []
         for part in self.plan.parts:
             metadata = self._metadata[part.part_idx]
-            tensor = self._tensors[part.part_idx]
-            if tuple(tensor.shape) != (metadata.embedding_len, metadata.embedding_dim):
-                raise BadRequestError(
-                    f"part {part.part_idx} of {self.rid!r} has shape {tuple(tensor.shape)}, its "
-                    f"/encode answer said {metadata.embedding_len} x {metadata.embedding_dim}",
-                    req_id=self.rid,
-                )
             parts.append(
                 EmbeddingPart(
                     part_idx=part.part_idx,
                     modality=part.modality,
-                    tensor=tensor,
+                    tensor=self._tensors[part.part_idx],
                     token_counts=metadata.token_counts,
                     grid=metadata.grid,
                     video_timing=metadata.video_timing,

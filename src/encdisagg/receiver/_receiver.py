@@ -29,6 +29,7 @@ import torch
 
 from .. import _tracing
 from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
+from .._numbers import real, whole
 from ..transfer import EmbeddingLayout, HoldPolicy, ReceivedPart, ZmqReceiver
 from ._encoder_wire import engine_address
 from ._landing import LandingPool
@@ -119,18 +120,8 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
         if transport == "mooncake" and engine is None:
             raise BadRequestError("transport 'mooncake' needs an engine to register landing memory")
         self._spec = spec = EmbeddingSpec(hidden_size, dtype, layout)
-        if isinstance(max_part_tokens, bool) or not isinstance(max_part_tokens, int):
-            raise BadRequestError(f"max_part_tokens must be an integer; got {max_part_tokens!r}")
-        if max_part_tokens < 1:
-            raise BadRequestError(f"max_part_tokens must be at least 1; got {max_part_tokens}")
-        if (
-            isinstance(quarantine_s, bool)
-            or not isinstance(quarantine_s, (int, float))
-            or not quarantine_s >= 0
-        ):
-            raise BadRequestError(
-                f"quarantine_s must be a non-negative number; got {quarantine_s!r}"
-            )
+        whole("max_part_tokens", max_part_tokens, least=1, error=BadRequestError)
+        real("quarantine_s", quarantine_s, least=0, finite=False, error=BadRequestError)
         try:
             #: What becomes of held pages once ``quarantine_s`` ran out without confirmation.
             self.on_quarantine_timeout = HoldPolicy.parse(

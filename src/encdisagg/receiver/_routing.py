@@ -22,6 +22,7 @@ from pathlib import PurePath
 from typing import Any, Final, Self
 
 from .._errors import ConfigError
+from .._numbers import real
 
 __all__ = ["ROUTINGS", "FleetRouting", "Slot", "affinity_key", "rendezvous_weight", "route_items"]
 
@@ -48,11 +49,7 @@ class FleetRouting:
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {', '.join(ROUTINGS)}; got {self.routing!r}")
-        bound = self.load_bound
-        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound >= 1:
-            raise ConfigError(f"load_bound must be a number >= 1; got {bound!r}")
-        if not math.isfinite(bound):
-            raise ConfigError(f"load_bound must be finite; got {bound!r}")
+        real("load_bound", self.load_bound, least=1, error=ConfigError)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> Self:

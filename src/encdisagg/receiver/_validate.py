@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._errors import BadRequestError, EncdisaggError, error_of_status
+from .._numbers import whole
 from .._video_timing import check_video_timing
 from ..transfer import dtype_name
 from ._plan import part_req_id
@@ -51,9 +52,7 @@ class EmbeddingSpec:
     layout: EmbeddingLayout | None = None
 
     def __post_init__(self) -> None:
-        size = self.hidden_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise BadRequestError(f"hidden_size must be a positive integer; got {size!r}")
+        size = whole("hidden_size", self.hidden_size, least=1, error=BadRequestError)
         dtype_name(self.dtype)
         if self.layout is not None and self.layout.width != size:
             raise BadRequestError(

@@ -11,6 +11,7 @@ import msgspec
 from .. import _strict
 from .._errors import BadRequestError
 from .._modality import Modality
+from .._numbers import whole
 
 __all__ = ["EncoderLoad", "EncoderRecord"]
 
@@ -84,8 +85,7 @@ class EncoderRecord:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise BadRequestError(f"encoder record: url must be http(s); got {self.url!r}")
-        if type(self.capacity) is not int or self.capacity < 1:
-            raise BadRequestError("encoder record: capacity must be an integer >= 1")
+        whole("encoder record: capacity", self.capacity, least=1, error=BadRequestError)
 
     def with_load(self, load: EncoderLoad) -> EncoderRecord:
         return dataclasses.replace(self, load=load)

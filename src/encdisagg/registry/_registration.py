@@ -21,6 +21,7 @@ import anyio.lowlevel
 import httpx
 
 from .._errors import BadRequestError
+from .._numbers import whole
 from ..nurseries import collapse_single_error
 from ._etcd import EtcdClient, RegistryUnavailableError
 from ._record import EncoderLoad, EncoderRecord
@@ -63,8 +64,7 @@ class Registration(anyio.AsyncContextManagerMixin):
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.registry = parse_registry_url(registry) if isinstance(registry, str) else registry
-        if isinstance(lease_ttl_s, bool) or not isinstance(lease_ttl_s, int) or lease_ttl_s < 2:
-            raise BadRequestError(f"lease_ttl_s must be an integer >= 2; got {lease_ttl_s!r}")
+        whole("lease_ttl_s", lease_ttl_s, least=2, error=BadRequestError)
         self.record = record
         self._load = load
         self._ttl_s = lease_ttl_s
