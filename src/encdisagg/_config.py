@@ -7,18 +7,21 @@ unknown keys by name, so a typo in a deployment file fails loudly instead of bei
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import tomllib
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from ._devices import check_device, check_dtype
 from ._errors import BadRequestError, ConfigError
 from ._model_names import unknown_name_problem
+from ._numbers import real
+
+if TYPE_CHECKING:
+    import msgspec
 
 __all__ = ["EncoderConfig"]
 
@@ -29,43 +32,14 @@ MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 PREPROCESS_MODES = ("fast", "reference", "device")
 
 
-def _check_type(name: str, value: object, annotation: object) -> None:
-    """Raise ``ConfigError`` naming ``name`` if ``value`` does not fit ``annotation``."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        errors = []
-        for option in options:
-            try:
-                _check_type(name, value, option)
-            except ConfigError as exc:
-                errors.append(exc)
-            else:
-                return
-        raise errors[0]
-    if annotation is type(None):
-        if value is not None:
-            raise ConfigError(f"{name} must be null, got {type(value).__name__}")
-        return
-    if origin is tuple:
-        if not isinstance(value, (tuple, list)):
-            raise ConfigError(f"{name} must be a list, got {type(value).__name__}")
-        (item_type, _ellipsis) = typing.get_args(annotation)
-        for index, item in enumerate(value):
-            _check_type(f"{name}[{index}]", item, item_type)
-        return
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name} must be a number, got {type(value).__name__}")
-        return
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name} must be an integer, got {type(value).__name__}")
-        return
-    if isinstance(annotation, type) and not isinstance(value, annotation):
-        raise ConfigError(
-            f"{name} must be of type {annotation.__name__}, got {type(value).__name__}"
-        )
+@functools.cache
+def _types() -> type[msgspec.Struct]:
+    """The config's fields as a Struct, for msgspec's strict check of every value's type."""
+    import msgspec
+
+    hints = typing.get_type_hints(EncoderConfig)
+    fields = [(f.name, hints[f.name]) for f in dataclasses.fields(EncoderConfig)]
+    return msgspec.defstruct("EncoderConfigTypes", fields)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,12 +153,12 @@ class EncoderConfig:
     queued_memory_limit_mb: int | None = 256
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
+        from ._strict import convert  # msgspec loads when a config is built, not on import
+
+        typed = convert(self, _types(), "config", ConfigError, from_attributes=True)
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            _check_type(f.name, value, hints[f.name])
-            if isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
+            if isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, getattr(typed, f.name))
         for name, allowed in (
             ("transfer", TRANSFERS),
             ("mooncake_protocol", MOONCAKE_PROTOCOLS),
@@ -224,22 +198,15 @@ class EncoderConfig:
             "zmq_send_timeout_s",
             "zmq_idle_timeout_s",
         ):
-            value = getattr(self, name)
-            if not value > 0:  # NaN too
-                raise ConfigError(f"{name} must be a positive number; got {value}")
-        grace = self.zmq_refused_grace_s
-        if grace is not None and not grace >= 0:
-            raise ConfigError(f"zmq_refused_grace_s must be >= 0 or None; got {grace}")
+            real(name, getattr(self, name), above=0, finite=False, error=ConfigError)
+        if (grace := self.zmq_refused_grace_s) is not None:
+            real("zmq_refused_grace_s", grace, least=0, finite=False, error=ConfigError)
         if self.zmq_curve_server_key is not None or self.zmq_curve_server_keys:
             try:
                 self.zmq_push_options()  # a malformed key fails here, naming its field
             except BadRequestError as exc:
                 raise ConfigError(exc.message) from None
-        if not 0 <= self.mooncake_poll_on_loop_s < math.inf:
-            raise ConfigError(
-                "mooncake_poll_on_loop_s must be 0 or a positive number; "
-                f"got {self.mooncake_poll_on_loop_s}"
-            )
+        real("mooncake_poll_on_loop_s", self.mooncake_poll_on_loop_s, least=0, error=ConfigError)
         if self.prefix_cache_mb < 0:
             raise ConfigError(f"prefix_cache_mb must be 0 or more; got {self.prefix_cache_mb}")
         if self.staging_arena_mb is not None and self.staging_arena_mb < 0:
@@ -250,15 +217,11 @@ class EncoderConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1 or null; got {value}")
-        if self.max_audio_seconds is not None and not 0 < self.max_audio_seconds < float("inf"):
-            raise ConfigError(
-                f"max_audio_seconds must be a positive number or null; got {self.max_audio_seconds}"
-            )
-        if not 0 < self.max_request_audio_seconds < float("inf"):
-            raise ConfigError(
-                "max_request_audio_seconds must be a positive number; "
-                f"got {self.max_request_audio_seconds}"
-            )
+        if self.max_audio_seconds is not None:
+            real("max_audio_seconds", self.max_audio_seconds, above=0, error=ConfigError)
+        real(
+            "max_request_audio_seconds", self.max_request_audio_seconds, above=0, error=ConfigError
+        )
 
     @property
     def arena_bytes(self) -> int:

@@ -141,6 +141,5 @@ def worker_devices(device: str, workers: int, devices: Sequence[str] | None) -> 
     else:
         chosen = (device,) * workers
     for entry in chosen:
-        check_device(entry, "devices" if devices is not None else "device")
         check_device_present(entry, "devices" if devices is not None else "device")
     return chosen

@@ -141,9 +141,7 @@ del _error, _status
 
 def status_of(exc: BaseException) -> int:
     """The HTTP status for ``exc``: its ``status`` if it is ours, else 500."""
-    if isinstance(exc, EncdisaggError):
-        return exc.status
-    return 500
+    return exc.status if isinstance(exc, EncdisaggError) else 500
 
 
 def grpc_code_of(exc: BaseException) -> str:

@@ -19,12 +19,12 @@ Pure values and arithmetic, no I/O; free of torch so every layer may import it.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from ._errors import BadRequestError
+from ._numbers import real
 
 __all__ = [
     "DEFAULT_VIDEO_FPS",
@@ -110,9 +110,7 @@ def video_timing(
     """
     if frame_count < 1:
         raise ValueError("a video needs at least one frame")
-    rate = DEFAULT_VIDEO_FPS if fps is None else float(fps)
-    if not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"fps must be a positive number; got {fps!r}")
+    rate = real("fps", DEFAULT_VIDEO_FPS if fps is None else float(fps), above=0)
     if frame_times is None:
         times = [index / rate for index in range(frame_count)]
     else:
@@ -146,10 +144,8 @@ def timing_to_wire(timings: Sequence[VideoTiming]) -> list[dict[str, Any]]:
 
 
 def _number(field: str, value: object) -> float:
-    # Exact types: a bool is no number here, and msgpack/JSON give ints for whole floats.
-    if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise BadRequestError(f"{field} must be a finite number; got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    # msgpack/JSON give ints for whole floats.
+    return float(real(field, value, error=BadRequestError))
 
 
 def timing_from_wire(value: object, *, field: str = "video_timing") -> tuple[VideoTiming, ...]:

@@ -109,7 +109,7 @@ class TestSetting:
             EncoderConfig.from_mapping({"preprocess": "turbo"})
         with pytest.raises(BadRequestError, match=message):
             load_model("tiny", preprocess="turbo")
-        with pytest.raises(BadRequestError, match="preprocess must be of type str"):
+        with pytest.raises(BadRequestError, match="preprocess must be a string, got an integer"):
             EncoderConfig.from_mapping({"preprocess": 1})
 
 

@@ -1,5 +1,6 @@
 """The Encoder: request lifecycle, batching, caching, staging and delivery."""
 
+from .._exports import claim_exports
 from ._compute._cache import PrefixCache as PrefixCache
 from ._encoder import Encoder as Encoder, EncoderEvents as EncoderEvents
 from ._types import (
@@ -23,8 +24,4 @@ __all__ = (
     "PrefixCache",
 )
 
-for _name in __all__:
-    _value = globals()[_name]
-    if isinstance(_value, type):
-        _value.__module__ = __name__
-del _name, _value
+claim_exports(globals())

@@ -34,6 +34,7 @@ from .._errors import (
     RequestTimeoutError,
     TransferTimeoutError,
 )
+from .._numbers import whole
 from ..models import Preprocessed
 from ..nurseries import KeyedWakeups, ServiceTaskGroup, loop_checkpoint, loop_clock
 from ._compute._path import ComputePath
@@ -65,11 +66,7 @@ def _error_copy(error: EncdisaggError) -> EncdisaggError:
 
 
 def _check_receive_count(req_id: str, receive_count: object) -> None:
-    # bool is an int subclass; a JSON `true` must not pass as `1`.
-    if isinstance(receive_count, bool) or not isinstance(receive_count, int) or receive_count < 1:
-        raise BadRequestError(
-            f"receive_count must be a positive integer; got {receive_count!r}", req_id=req_id
-        )
+    whole("receive_count", receive_count, least=1, error=partial(BadRequestError, req_id=req_id))
 
 
 class RequestLifecycle:

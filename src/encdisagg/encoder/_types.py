@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .._errors import BadRequestError
 from .._modality import Modality
+from .._numbers import whole
 from .._video_timing import VideoTiming
 
 __all__ = [
@@ -18,13 +19,6 @@ __all__ = [
     "SglangZmqDestination",
     "ZmqDestination",
 ]
-
-
-def _require_int(name: str, value: object) -> int:
-    # bool is an int subclass; a JSON `true` must not pass as `1`.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequestError(f"{name} must be an integer, got {type(value).__name__}")
-    return value
 
 
 def _require_text(name: str, value: object) -> str:
@@ -65,10 +59,8 @@ class EncodeRequest:
             modality = Modality.parse(modality)
             object.__setattr__(self, "modality", modality)
         object.__setattr__(self, "_modality", modality)
-        num_parts = _require_int("num_parts", self.num_parts)
-        if num_parts < 1:
-            raise BadRequestError(f"num_parts must be at least 1; got {num_parts}")
-        part_idx = _require_int("part_idx", self.part_idx)
+        num_parts = whole("num_parts", self.num_parts, least=1, error=BadRequestError)
+        part_idx = whole("part_idx", self.part_idx, error=BadRequestError)
         if not 0 <= part_idx < num_parts:
             raise BadRequestError(f"part_idx must be in [0, {num_parts}); got {part_idx}")
         if self.hashes is not None:
@@ -139,9 +131,7 @@ class MooncakeDestination:
 
     def __post_init__(self) -> None:
         _require_text("session_id", self.session_id)
-        address = _require_int("buffer_address", self.buffer_address)
-        if address <= 0:
-            raise BadRequestError(f"buffer_address must be positive; got {address}")
+        whole("buffer_address", self.buffer_address, least=1, error=BadRequestError)
         _require_text("endpoint", self.endpoint)
 
     @property

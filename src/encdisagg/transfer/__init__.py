@@ -13,6 +13,7 @@
 - ZMQ push and pull that work on asyncio and Trio: :class:`ZmqPushPool`, :class:`ZmqReceiver`.
 """
 
+from .._exports import claim_exports
 from ._engine import EngineOptions as EngineOptions, TransferEngine as TransferEngine
 from ._holds import HeldLedger as HeldLedger, Hold as Hold, HoldPolicy as HoldPolicy
 from ._layout import (
@@ -73,8 +74,4 @@ __all__ = (
     "deepstack_layout",
 )
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if hasattr(_obj, "__module__") and not isinstance(_obj, int):
-        _obj.__module__ = __name__
-del _name, _obj
+claim_exports(globals())

@@ -17,6 +17,7 @@ from typing import Final
 import torch
 
 from .._errors import BadRequestError
+from .._numbers import whole
 
 __all__ = ["EmbeddingLayout", "MAIN_SECTION", "deepstack_layout"]
 
@@ -132,7 +133,6 @@ def deepstack_layout(hidden: int, deepstack_layers: int) -> EmbeddingLayout:
 
     :raises BadRequestError: for a non-positive ``hidden`` or a negative count.
     """
-    if deepstack_layers < 0:
-        raise BadRequestError(f"deepstack_layers must not be negative; got {deepstack_layers}")
+    whole("deepstack_layers", deepstack_layers, error=BadRequestError)
     names: Sequence[str] = [MAIN_SECTION] + [f"deepstack_{i}" for i in range(deepstack_layers)]
     return EmbeddingLayout(tuple((name, hidden) for name in names))

@@ -6,6 +6,7 @@ from bisect import bisect_right, insort
 from typing import final
 
 from .._errors import TransferError
+from .._numbers import whole
 
 __all__ = ["RegionTable", "check_range"]
 
@@ -16,11 +17,8 @@ def check_range(call: str, field: str, ptr: object, nbytes: object) -> tuple[int
     :raises TransferError: naming ``call`` and ``field`` if ``ptr`` is not a positive int or
         ``nbytes`` not a positive int (bools are rejected).
     """
-    if type(ptr) is not int or ptr <= 0:
-        raise TransferError(f"{call}: {field} must be a positive address; got {ptr!r}")
-    if type(nbytes) is not int or nbytes <= 0:
-        raise TransferError(f"{call}: nbytes must be a positive int; got {nbytes!r}")
-    return ptr, nbytes
+    address = whole(f"{call}: {field}", ptr, least=1, error=TransferError)
+    return address, whole(f"{call}: nbytes", nbytes, least=1, error=TransferError)
 
 
 @final

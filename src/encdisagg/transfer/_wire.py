@@ -19,6 +19,7 @@ import torch
 from .. import _strict
 from .._errors import BadRequestError
 from .._modality import Modality
+from .._tracing import MAX_TRACEPARENT_CHARS
 from .._video_timing import VideoTiming, check_video_timing, timing_from_wire, timing_to_wire
 from ._layout import EmbeddingLayout, bad_field as _bad
 
@@ -42,8 +43,6 @@ WIRE_VERSION: Final = 1
 
 #: Header frames longer than this are rejected before msgpack sees them.
 MAX_HEADER_BYTES: Final = 1 << 20
-#: Longest ``traceparent`` header field (the W3C form has 55 characters).
-MAX_TRACEPARENT_CHARS: Final = 128
 
 _DTYPES: Final[Mapping[str, torch.dtype]] = {
     "float16": torch.float16,

@@ -14,6 +14,7 @@ import anyio
 import anyio.lowlevel
 
 from ..._errors import TransferError, TransferTimeoutError
+from ..._numbers import real
 from ...nurseries import run_thread_to_completion
 from .._lifetime import EngineLifetime, close_in_thread
 from .._regions import RegionTable, check_range
@@ -135,8 +136,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         submit_on_loop_max_bytes: int = SUBMIT_ON_LOOP_MAX_BYTES,
         poll_on_loop_s: float = POLL_ON_LOOP_S,
     ) -> None:
-        if not poll_on_loop_s >= 0:
-            raise ValueError(f"poll_on_loop_s must be >= 0; got {poll_on_loop_s!r}")
+        real("poll_on_loop_s", poll_on_loop_s, least=0, finite=False)
         self._hostname = hostname
         self._metadata_server = metadata_server
         self._protocol = protocol

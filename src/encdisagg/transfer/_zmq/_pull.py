@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from ..._errors import BadRequestError, TransferError
+from ..._numbers import whole
 from ...nurseries import run_thread_to_completion
 from .._wire import MAX_HEADER_BYTES, EmbeddingHeader, decode_header, tensor_from_frame
 from ._curve import curve_key, require_curve, secure_server
@@ -71,10 +72,8 @@ class ZmqReceiver(anyio.AsyncContextManagerMixin):
         context: zmq.Context[Any] | None = None,
         curve_secret_key: str | bytes | None = None,
     ) -> None:
-        if max_payload_bytes is not None and (
-            type(max_payload_bytes) is not int or max_payload_bytes < 0
-        ):
-            raise ValueError(f"max_payload_bytes must be an int >= 0; got {max_payload_bytes!r}")
+        if max_payload_bytes is not None:
+            whole("max_payload_bytes", max_payload_bytes)
         self._curve_secret = None
         if curve_secret_key is not None:
             require_curve()

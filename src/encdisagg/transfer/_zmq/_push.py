@@ -16,6 +16,7 @@ import anyio.lowlevel
 import zmq
 
 from ..._errors import TransferError
+from ..._numbers import real, whole
 from ...nurseries import ThreadSafeEvent, collapse_single_error, run_thread_to_completion
 from .._holds import Hold
 from .._wire import EmbeddingHeader, ForeignHeader, header_frame
@@ -105,18 +106,13 @@ class ZmqPushPool(anyio.AsyncContextManagerMixin):
         curve_server_keys: Mapping[str, str | bytes] | None = None,
         refused_grace_s: float | None = DEFAULT_REFUSED_GRACE_S,
     ) -> None:
-        if not send_timeout_s > 0:
-            raise ValueError(f"send_timeout_s must be > 0; got {send_timeout_s!r}")
-        if type(sndhwm) is not int or sndhwm < 1:
-            raise ValueError(f"sndhwm must be an int >= 1; got {sndhwm!r}")
-        if type(copy_below_bytes) is not int or copy_below_bytes < 0:
-            raise ValueError(f"copy_below_bytes must be an int >= 0; got {copy_below_bytes!r}")
-        if not idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be > 0; got {idle_timeout_s!r}")
-        if type(max_endpoints) is not int or max_endpoints < 1:
-            raise ValueError(f"max_endpoints must be an int >= 1; got {max_endpoints!r}")
-        if refused_grace_s is not None and not refused_grace_s >= 0:
-            raise ValueError(f"refused_grace_s must be >= 0 or None; got {refused_grace_s!r}")
+        real("send_timeout_s", send_timeout_s, above=0, finite=False)
+        whole("sndhwm", sndhwm, least=1)
+        whole("copy_below_bytes", copy_below_bytes)
+        real("idle_timeout_s", idle_timeout_s, above=0, finite=False)
+        whole("max_endpoints", max_endpoints, least=1)
+        if refused_grace_s is not None:
+            real("refused_grace_s", refused_grace_s, least=0, finite=False)
         self._refused_grace_s = refused_grace_s
         self._curve = CurveClient.create(curve_server_key, curve_server_keys)
         self._idle_timeout_s = idle_timeout_s
