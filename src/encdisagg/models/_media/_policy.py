@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..._errors import BadRequestError
+from ..._numbers import real, whole
 
 __all__ = [
     "DEFAULT_MAX_MEDIA_BYTES",
@@ -43,13 +44,9 @@ class MediaPolicy:
 
     def __post_init__(self) -> None:
         for name in ("max_media_bytes", "max_video_frames"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BadRequestError(f"{name} must be a positive integer; got {value!r}")
-        if not self.remote_timeout_s > 0:
-            raise BadRequestError(
-                f"remote_timeout_s must be positive; got {self.remote_timeout_s!r}"
-            )
+            whole(name, getattr(self, name), least=1, error=BadRequestError)
+        timeout = self.remote_timeout_s
+        real("remote_timeout_s", timeout, above=0, finite=False, error=BadRequestError)
         given: object = self.remote_media_domains
         if isinstance(given, str):
             raise BadRequestError("remote_media_domains must be a list of domains, not a string")
