@@ -19,7 +19,8 @@ import torch
 from ..._errors import BadRequestError, InternalError
 from ..._modality import Modality
 from .._media._limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
-from .._media._policy import item_label
+from .._media._pixels import load_image
+from .._media._policy import MediaPolicy, item_label
 from .._protocol import Preprocessed, split_embedding
 
 if TYPE_CHECKING:
@@ -30,13 +31,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PROVENANCE_KEYS",
+    "Patches",
     "PerThread",
     "TowerModel",
     "architecture_json",
     "checked_request",
     "content_key",
     "identity_digest",
-    "image_patches",
     "pixel_budget",
     "pixels_key",
     "settings_json",
@@ -45,6 +46,10 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+#: One item's ``pixel_values``, its grid rows and, where the fast path made them, the resized
+#: ``uint8`` pixels they follow from (``None`` on the processor's path).
+Patches = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 # Config entries that say where a model came from or which library wrote it, not what it
 # computes; leaving them out of the identity keeps it equal across a save/load round trip.
@@ -178,20 +183,6 @@ def pixel_budget(
     )
 
 
-def image_patches(processor: Any, image: Image.Image, index: int) -> tuple[Any, Any]:
-    """One image through an image processor: its ``pixel_values`` and ``image_grid_thw``.
-    Blocks on the processor's CPU work.
-
-    :raises BadRequestError: naming ``mm_items[index]`` for an image the processor refuses
-        (e.g. an aspect ratio above 200).
-    """
-    try:
-        out = processor(images=[image], return_tensors="pt")
-    except (ValueError, TypeError) as exc:
-        raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
-    return out["pixel_values"], out["image_grid_thw"]
-
-
 class TowerModel:
     """What every adapter has in common: its properties, ``forward`` and the result of an
     image family's ``preprocess``. A subclass sets ``_name``, ``_identity``, ``_limits``,
@@ -202,6 +193,7 @@ class TowerModel:
     _name: str
     _identity: str
     _limits: MediaLimits
+    _media: MediaPolicy
     _hidden_size: int
     _weights: Any
     #: The keys of ``Preprocessed.features`` ``preprocess`` writes and ``forward`` reads.
@@ -307,20 +299,41 @@ class TowerModel:
         and ``seconds``, one element after the other. Runs in inference mode."""
         raise NotImplementedError
 
+    def _image_item(self, processor: Any, item: object, index: int, budget: PixelBudget) -> Patches:
+        """One image item, decoded within ``budget``, through the fast path where there is
+        one, else through ``processor``. Blocks on reads, decoding and CPU work.
+
+        :raises BadRequestError: naming ``mm_items[index]`` for an image that cannot be
+            fetched or decoded, that passes the budget, or that the processor refuses (e.g.
+            an aspect ratio above 200).
+        """
+        image = load_image(item, index, self._media, budget=budget)
+        if self._pixels is not None:
+            return self._fast_image(self._pixels, image, index)
+        try:
+            out = processor(images=[image], return_tensors="pt")
+        except (ValueError, TypeError) as exc:
+            raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
+        return out["pixel_values"], out["image_grid_thw"], None
+
+    def _fast_image(self, pixels: FastPixels, image: Image.Image, index: int) -> Patches:
+        """One image's patches on the fast path, sized by the processor's own rule; on the
+        path's device. Blocks on CPU work."""
+        raise NotImplementedError
+
     def _image_result(
         self,
-        pixel_values: list[torch.Tensor],
-        grids: list[torch.Tensor],
-        sources: list[torch.Tensor],
+        patches: list[Patches],
         tokens: Callable[[tuple[int, ...]], int],
         video_timing: tuple[VideoTiming, ...] | None = None,
     ) -> Preprocessed:
         """An image family's preprocessed request: each item's ``pixel_values`` and grid
-        joined, ``tokens`` of each grid row, and the cache key (over ``sources``, the fast
-        path's resized pixels, where the fast path ran). The pixel values stay where they
-        were made (the model's device in the ``"device"`` mode). Blocks on hashing."""
-        if not grids:
+        joined, ``tokens`` of each grid row, and the cache key (over the fast path's resized
+        pixels, where the fast path ran). The pixel values stay where they were made (the
+        model's device in the ``"device"`` mode). Blocks on hashing."""
+        if not patches:
             return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
+        pixel_values, grids, sources = zip(*patches, strict=True)
         grid = torch.cat(grids)
         rows = tuple(tuple(int(size) for size in row) for row in grid.tolist())
         token_counts = tuple(tokens(row) for row in rows)
