@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
-import re
 
 from PIL import Image, UnidentifiedImageError
 
@@ -24,6 +23,7 @@ from ._policy import (
     DEFAULT_MAX_VIDEO_FRAMES,
     VIDEO_FILE_FPS,
     MediaPolicy,
+    decoder_error,
     item_label,
 )
 
@@ -36,9 +36,6 @@ __all__ = [
     "load_video",
 ]
 
-# Pillow names the file object it could not read ("<_io.BytesIO object at 0x7f...>"); a
-# client must never see an address of ours.
-_OBJECT_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")
 #: ``Image.draft`` reduces a JPEG while decoding it by one of these factors.
 _DRAFT_SCALES = (1, 2, 4, 8)
 
@@ -46,8 +43,7 @@ _DRAFT_SCALES = (1, 2, 4, 8)
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, UnidentifiedImageError):
         return "not an image format this server reads"
-    text = _OBJECT_REPR.sub("the item", str(exc)) or type(exc).__name__
-    return text[:300]
+    return decoder_error(exc)
 
 
 # --- images -----------------------------------------------------------------------------
