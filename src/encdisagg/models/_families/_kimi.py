@@ -205,7 +205,7 @@ class KimiVisionModel(TowerModel):
         patches = [
             self._image_item(processor, item, index, budget) for index, item in enumerate(items)
         ]
-        return self._image_result(patches, self._tokens)
+        return self._result(patches, self._tokens)
 
     def _tokens(self, row: tuple[int, ...]) -> int:
         try:

@@ -36,11 +36,11 @@ from .._media._policy import MediaPolicy, item_label
 from .._media._waveforms import AudioBudget, AudioRules, load_audio
 from .._protocol import Preprocessed
 from ._tower import (
+    Patches,
     PerThread,
     TowerModel,
     architecture_json,
     checked_request,
-    content_key,
     identity_digest,
     settings_json,
     state_digest,
@@ -236,8 +236,7 @@ class QwenAudioModel(TowerModel):
         rules = self.audio_rules(limits)
         budget = AudioBudget(limits.max_request_audio_seconds)
         extractor = self._extractors.get()
-        values: list[torch.Tensor] = []
-        lengths: list[torch.Tensor] = []
+        patches: list[Patches] = []
         # One extractor call per item: a batched call would hold every item's spectrogram
         # (a 30 s window's is ~5 MB) at once; the features are the same either way.
         for index, item in enumerate(items):
@@ -261,20 +260,11 @@ class QwenAudioModel(TowerModel):
             if self._family == "qwen2_5_omni":
                 # The encoder reads the valid frames only, packed along time: [mels, L].
                 window = window[0][:, mask[0].bool()].contiguous()
-            values.append(window)
-            lengths.append(mask.sum(-1).to(torch.int64))
-        if not values:
-            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
-        frame_counts = torch.cat(lengths)
-        rows = tuple((int(length),) for length in frame_counts.tolist())
-        token_counts = tuple(audio_output_length(row[0], self._family) for row in rows)
-        joined = torch.cat(values, dim=1 if self._family == "qwen2_5_omni" else 0)
-        features = {INPUT_FEATURES: joined, FEATURE_LENGTHS: frame_counts}
-        return Preprocessed(
-            token_counts=token_counts,
-            grid=rows,
-            features=features,
-            cache_key=content_key(self._identity, features, rows),
+            patches.append((window, mask.sum(-1).to(torch.int64), None))
+        return self._result(
+            patches,
+            lambda row: audio_output_length(row[0], self._family),
+            dim=1 if self._family == "qwen2_5_omni" else 0,
         )
 
     # --- forward ------------------------------------------------------------------------

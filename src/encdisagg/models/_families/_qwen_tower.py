@@ -184,7 +184,7 @@ class QwenTower(TowerModel):
             timings.append(
                 video_timing(len(frames), self._temporal, fps=fps, frame_times=times or None)
             )
-        return self._image_result(
+        return self._result(
             patches,
             lambda row: grid_tokens(row, self._merge_size),
             tuple(timings) if modality is Modality.VIDEO else None,

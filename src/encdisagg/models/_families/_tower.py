@@ -184,8 +184,8 @@ def pixel_budget(
 
 
 class TowerModel:
-    """What every adapter has in common: its properties, ``forward`` and the result of an
-    image family's ``preprocess``. A subclass sets ``_name``, ``_identity``, ``_limits``,
+    """What every adapter has in common: its properties, ``forward``, an image family's image
+    items and the result of ``preprocess``. A subclass sets ``_name``, ``_identity``, ``_limits``,
     ``_hidden_size`` and ``_weights`` (the module whose dtype and device the embeddings have)
     in its constructor, names its two feature tensors in ``_feature_keys`` and defines
     ``_encode``."""
@@ -321,26 +321,28 @@ class TowerModel:
         path's device. Blocks on CPU work."""
         raise NotImplementedError
 
-    def _image_result(
+    def _result(
         self,
         patches: list[Patches],
         tokens: Callable[[tuple[int, ...]], int],
         video_timing: tuple[VideoTiming, ...] | None = None,
+        *,
+        dim: int = 0,
     ) -> Preprocessed:
-        """An image family's preprocessed request: each item's ``pixel_values`` and grid
+        """A preprocessed request: each item's features (joined along ``dim``) and grid
         joined, ``tokens`` of each grid row, and the cache key (over the fast path's resized
-        pixels, where the fast path ran). The pixel values stay where they were made (the
+        pixels, where the fast path ran). The features stay where they were made (the
         model's device in the ``"device"`` mode). Blocks on hashing."""
         if not patches:
             return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
         pixel_values, grids, sources = zip(*patches, strict=True)
         grid = torch.cat(grids)
-        rows = tuple(tuple(int(size) for size in row) for row in grid.tolist())
+        rows = tuple(tuple(int(size) for size in row) for row in grid.view(len(grids), -1).tolist())
         token_counts = tuple(tokens(row) for row in rows)
         # One item's tensor as it is: a copy of it would cost as much as making it.
-        values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values)
+        values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values, dim=dim)
         features = dict(zip(self._feature_keys, (values, grid), strict=True))
-        if self._pixels is None:
+        if any(source is None for source in sources):  # the processor's path
             cache_key = content_key(self._identity, features, rows)
         else:
             cache_key = pixels_key(self._identity, sources, rows)
