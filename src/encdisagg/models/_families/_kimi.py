@@ -172,12 +172,6 @@ class KimiVisionModel(TowerModel):
         """The underlying vision tower and projector."""
         return self._encoder
 
-    def __repr__(self) -> str:
-        return (
-            f"KimiVisionModel(name={self._name!r}, hidden_size={self._hidden_size}, "
-            f"dtype={self.dtype}, device={self.device})"
-        )
-
     # --- preprocessing ------------------------------------------------------------------
 
     def preprocess(

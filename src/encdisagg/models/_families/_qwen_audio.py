@@ -98,6 +98,7 @@ class QwenAudioModel(TowerModel):
 
     _feature_keys = (INPUT_FEATURES, FEATURE_LENGTHS)
     _MODALITIES = frozenset({Modality.AUDIO})
+    _SHOWN = (("family", "_family"), ("hidden_size", "_hidden_size"))
 
     def __init__(
         self,
@@ -187,12 +188,6 @@ class QwenAudioModel(TowerModel):
     def encoder(self) -> PreTrainedModel:
         """The underlying transformers audio encoder."""
         return self._encoder
-
-    def __repr__(self) -> str:
-        return (
-            f"QwenAudioModel(name={self._name!r}, family={self._family!r}, "
-            f"hidden_size={self._hidden_size}, dtype={self.dtype}, device={self.device})"
-        )
 
     # --- preprocessing ------------------------------------------------------------------
 

@@ -203,8 +203,18 @@ class TowerModel:
     #: processor itself runs (``"reference"``).
     _pixels: FastPixels | None
 
+    #: ``(label, attribute)`` of each value ``repr`` shows between the name and the dtype.
+    _SHOWN: ClassVar[tuple[tuple[str, str], ...]] = (("hidden_size", "_hidden_size"),)
+
     #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
     accepts_media_limits: Final = True
+
+    def __repr__(self) -> str:
+        shown = "".join(f"{label}={getattr(self, name)!r}, " for label, name in self._SHOWN)
+        return (
+            f"{type(self).__name__}(name={self._name!r}, {shown}"
+            f"dtype={self.dtype}, device={self.device})"
+        )
 
     @property
     def name(self) -> str:
