@@ -28,7 +28,7 @@ from ..._errors import BadRequestError, InternalError
 from ..._modality import Modality
 from .._grids import kimi_grid_tokens
 from .._media._limits import MediaLimits
-from .._media._pixels import MediaPolicy
+from .._media._policy import MediaPolicy
 from .._protocol import Preprocessed
 from ._fast_pixels import FastPixels, fast_pixels
 from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule, navit_size

@@ -18,23 +18,9 @@ from PIL import Image, UnidentifiedImageError
 from ..._errors import BadRequestError
 from ._bytes import item_bytes
 from ._limits import PixelBudget
-from ._policy import (
-    DEFAULT_MAX_MEDIA_BYTES,
-    DEFAULT_MAX_VIDEO_FRAMES,
-    VIDEO_FILE_FPS,
-    MediaPolicy,
-    decoder_error,
-    item_label,
-)
+from ._policy import VIDEO_FILE_FPS, MediaPolicy, decoder_error, item_label
 
-__all__ = [
-    "DEFAULT_MAX_MEDIA_BYTES",
-    "DEFAULT_MAX_VIDEO_FRAMES",
-    "MediaPolicy",
-    "item_label",
-    "load_image",
-    "load_video",
-]
+__all__ = ["load_image", "load_video"]
 
 #: ``Image.draft`` reduces a JPEG while decoding it by one of these factors.
 _DRAFT_SCALES = (1, 2, 4, 8)
