@@ -31,7 +31,7 @@ from .._media._limits import MediaLimits
 from .._media._policy import MediaPolicy
 from .._protocol import Preprocessed
 from ._fast_pixels import FastPixels, fast_pixels
-from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule, navit_size
+from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule
 from ._tower import (
     PROVENANCE_KEYS,
     Patches,
@@ -209,17 +209,9 @@ class KimiVisionModel(TowerModel):
 
     def _fast_image(self, pixels: FastPixels, image: Image.Image, index: int) -> Patches:
         # The resized pixels it gives back are padded to whole merged patches.
-        rule = self._rule
-        resized, padded = navit_size(
-            image.height,
-            image.width,
-            patch_size=rule.patch_size,
-            merge_size=rule.merge_size,
-            max_patches=rule.max_patches,
-            max_side_patches=rule.max_side_patches,
-        )
+        resized, padded = self._rule.navit(image.width, image.height)
         values, canvas = pixels.kimi_image(image, resized, padded)
-        patch = rule.patch_size
+        patch = self._rule.patch_size
         grid = torch.tensor([[1, padded[0] // patch, padded[1] // patch]], dtype=torch.int64)
         return values, grid, canvas
 

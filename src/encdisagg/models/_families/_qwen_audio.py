@@ -145,9 +145,9 @@ class QwenAudioModel(TowerModel):
         self._limits = limits or MediaLimits()
         self._extractor_config: dict[str, Any] = feature_extractor.to_dict()
         self._sampling_rate = int(feature_extractor.sampling_rate)
-        self._hop = int(feature_extractor.hop_length)
         self._window_seconds = float(feature_extractor.chunk_length)
-        self._min_samples = (_min_frames(family) - 1) * self._hop + 1
+        hop = int(feature_extractor.hop_length)
+        self._min_samples = (_min_frames(family) - 1) * hop + 1
         if projector is not None:
             linear: Any = projector.linear
             self._hidden_size = int(linear.out_features)
