@@ -112,13 +112,10 @@ def content_key(
 def pixels_key(
     identity: str, pixels: Sequence[torch.Tensor], grid: tuple[tuple[int, ...], ...]
 ) -> str:
-    """The ``cache_key`` of input preprocessed on the fast path: sha256 over the model's
-    identity (which names the path and the processor's settings), the grid and each item's
-    resized ``uint8`` pixels, in order. The features follow from these exactly, and they are
-    an eighth of the features' bytes (images fill two temporal slots of four-byte floats),
-    so the key costs that much less to hash. Pixels on a device are copied back to hash, so
-    the ``"device"`` mode's keys are the ``"fast"`` mode's. Blocks on hashing and on those
-    copies (which wait for the device's queued work)."""
+    """The ``cache_key`` of input preprocessed on the fast path: sha256 over the identity, the
+    grid and each item's resized ``uint8`` pixels, which the features follow from exactly at
+    an eighth of their bytes. Device pixels are hashed on the CPU, so the ``"device"`` mode's
+    keys are the ``"fast"`` mode's. Blocks on hashing and on those copies."""
     digest = hashlib.sha256()
     digest.update(identity.encode())
     digest.update(json.dumps(grid).encode())

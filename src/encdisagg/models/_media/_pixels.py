@@ -116,11 +116,8 @@ def _even_indices(count: int, keep: int) -> list[int]:
 def _frame_plan(
     budget: PixelBudget | None, label: str, keep: int, width: int, height: int
 ) -> tuple[int, int]:
-    """``(frames to keep, pixels of each)`` of a video whose frames are ``width`` x
-    ``height``: at most ``keep``, fewer where ``budget`` holds fewer.
-
-    :raises BadRequestError: naming ``label`` for a frame size over the budget.
-    """
+    """``(frames to keep, pixels of each)``: at most ``keep``, fewer where ``budget`` holds
+    fewer. :raises BadRequestError: naming ``label`` for a frame size over the budget."""
     if budget is None:
         return keep, 0
     budget.check_source(label, width, height)
