@@ -31,11 +31,10 @@ from ._grids import (
     select_grid as select_grid,
 )
 from ._loading import BUILTIN_MODELS as BUILTIN_MODELS, load_model as load_model
-from ._media._pixels import (
+from ._media._pixels import load_image as load_image, load_video as load_video
+from ._media._policy import (
     DEFAULT_MAX_MEDIA_BYTES as DEFAULT_MAX_MEDIA_BYTES,
     MediaPolicy as MediaPolicy,
-    load_image as load_image,
-    load_video as load_video,
 )
 from ._null import NullVisionModel as NullVisionModel
 from ._protocol import (

@@ -28,17 +28,17 @@ from ..._errors import BadRequestError, InternalError
 from ..._modality import Modality
 from .._grids import kimi_grid_tokens
 from .._media._limits import MediaLimits
-from .._media._pixels import MediaPolicy, load_image
+from .._media._policy import MediaPolicy
 from .._protocol import Preprocessed
 from ._fast_pixels import FastPixels, fast_pixels
-from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule, navit_size
+from ._kimi_processor import Kimi_K25ImageProcessorPil, KimiResizeRule
 from ._tower import (
     PROVENANCE_KEYS,
+    Patches,
     PerThread,
     TowerModel,
     checked_request,
     identity_digest,
-    image_patches,
     pixel_budget,
     settings_json,
     state_digest,
@@ -86,11 +86,6 @@ def _architecture(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _merge_kernel(config: Any) -> tuple[int, int]:
-    merge_h, merge_w = (int(size) for size in config.vision_config.merge_kernel_size)
-    return merge_h, merge_w
-
-
 @final
 class KimiVisionModel(TowerModel):
     """A Kimi-K2.5 vision tower and projector with its image processor.
@@ -124,7 +119,7 @@ class KimiVisionModel(TowerModel):
         preprocess: str = "fast",
     ) -> None:
         config: Any = encoder.config
-        merge_h, merge_w = _merge_kernel(config)
+        merge_h, merge_w = (int(size) for size in config.vision_config.merge_kernel_size)
         patch = int(config.vision_config.patch_size)
         merge = int(image_processor.merge_size)
         if int(image_processor.patch_size) != patch or merge_h != merge or merge_w != merge:
@@ -177,12 +172,6 @@ class KimiVisionModel(TowerModel):
         """The underlying vision tower and projector."""
         return self._encoder
 
-    def __repr__(self) -> str:
-        return (
-            f"KimiVisionModel(name={self._name!r}, hidden_size={self._hidden_size}, "
-            f"dtype={self.dtype}, device={self.device})"
-        )
-
     # --- preprocessing ------------------------------------------------------------------
 
     def preprocess(
@@ -207,19 +196,10 @@ class KimiVisionModel(TowerModel):
         checked_request(items, modality, self.modalities, self._name)
         budget = pixel_budget(limits or self._limits, len(items), self._rule, self._rule)
         processor = self._processors.get()
-        pixel_values: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []  # the fast path's padded uint8 pixels, per item
-        for index, item in enumerate(items):
-            image = load_image(item, index, self._media, budget=budget)
-            if self._pixels is None:
-                values, grid = image_patches(processor, image, index)
-            else:
-                values, grid, source = self._fast_image(self._pixels, image)
-                sources.append(source)
-            pixel_values.append(values)
-            grids.append(grid)
-        return self._image_result(pixel_values, grids, sources, self._tokens)
+        patches = [
+            self._image_item(processor, item, index, budget) for index, item in enumerate(items)
+        ]
+        return self._result(patches, self._tokens)
 
     def _tokens(self, row: tuple[int, ...]) -> int:
         try:
@@ -227,23 +207,11 @@ class KimiVisionModel(TowerModel):
         except ValueError as exc:  # a processor whose padding disagrees with the tower
             raise InternalError(f"model {self._name!r}: {exc}") from exc
 
-    def _fast_image(
-        self, pixels: FastPixels, image: Image.Image
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One image's ``(pixel_values, grid_thws, padded uint8 pixels)`` on the fast path,
-        sized by the processor's own rule; the first and last on the path's device. Blocks
-        on CPU work."""
-        rule = self._rule
-        resized, padded = navit_size(
-            image.height,
-            image.width,
-            patch_size=rule.patch_size,
-            merge_size=rule.merge_size,
-            max_patches=rule.max_patches,
-            max_side_patches=rule.max_side_patches,
-        )
+    def _fast_image(self, pixels: FastPixels, image: Image.Image, index: int) -> Patches:
+        # The resized pixels it gives back are padded to whole merged patches.
+        resized, padded = self._rule.navit(image.width, image.height)
         values, canvas = pixels.kimi_image(image, resized, padded)
-        patch = rule.patch_size
+        patch = self._rule.patch_size
         grid = torch.tensor([[1, padded[0] // patch, padded[1] // patch]], dtype=torch.int64)
         return values, grid, canvas
 

@@ -188,9 +188,9 @@ class KimiResizeRule(ResizeRule):
     max_patches: int = KIMI_MAX_PATCHES
     max_side_patches: int = KIMI_MAX_SIDE_PATCHES
 
-    def model_pixels(self, width: int, height: int) -> int:
-        """Pixels after resizing and padding. Does not block."""
-        _, (padded_h, padded_w) = navit_size(
+    def navit(self, width: int, height: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """:func:`navit_size` of a ``width`` x ``height`` source. Does not block."""
+        return navit_size(
             height,
             width,
             patch_size=self.patch_size,
@@ -198,4 +198,8 @@ class KimiResizeRule(ResizeRule):
             max_patches=self.max_patches,
             max_side_patches=self.max_side_patches,
         )
+
+    def model_pixels(self, width: int, height: int) -> int:
+        """Pixels after resizing and padding. Does not block."""
+        _, (padded_h, padded_w) = self.navit(width, height)
         return padded_h * padded_w

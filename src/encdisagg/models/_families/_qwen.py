@@ -66,16 +66,11 @@ class QwenVisionModel(QwenTower):
     _SUPPORTED = tuple(_OUTPUT_WIDTH_KEYS)
     _VIDEO_PROCESSOR = "Qwen2VLVideoProcessor"
     _VIDEO_PIXELS = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
+    _SHOWN = (("type", "_model_type"), ("hidden_size", "_hidden_size"))
 
     def _configure(self, config: Any) -> None:
         self._hidden_size = int(getattr(config, _OUTPUT_WIDTH_KEYS[self._model_type]))
         self._video_rule = ResizeRule(self._factor, *self._video_pixels)
-
-    def __repr__(self) -> str:
-        return (
-            f"QwenVisionModel(name={self._name!r}, type={self._model_type!r}, "
-            f"hidden_size={self._hidden_size}, dtype={self.dtype}, device={self.device})"
-        )
 
     def _video_patches(
         self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int

@@ -69,6 +69,11 @@ class Qwen3VisionModel(QwenTower):
     _SUPPORTED = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
     _VIDEO_PROCESSOR = "Qwen3VLVideoProcessor"
     _VIDEO_PIXELS = (QWEN3_VIDEO_MIN_PIXELS, QWEN3_VIDEO_MAX_PIXELS)
+    _SHOWN = (
+        ("type", "_model_type"),
+        ("hidden_size", "_hidden_size"),
+        ("deepstack_layers", "deepstack_layers"),
+    )
 
     def _configure(self, config: Any) -> None:
         self._token_width = int(config.out_hidden_size)
@@ -98,13 +103,6 @@ class Qwen3VisionModel(QwenTower):
     def embedding_layout(self) -> EmbeddingLayout:
         """The column sections of every embedding: ``embedding``, ``deepstack_0``, ..."""
         return self._layout
-
-    def __repr__(self) -> str:
-        return (
-            f"Qwen3VisionModel(name={self._name!r}, type={self._model_type!r}, "
-            f"hidden_size={self.hidden_size}, deepstack_layers={self.deepstack_layers}, "
-            f"dtype={self.dtype}, device={self.device})"
-        )
 
     def video_frame_size(self, frames: int, height: int, width: int) -> tuple[int, int]:
         """``(height, width)`` every frame of a ``frames``-frame clip is resized to: the rule of

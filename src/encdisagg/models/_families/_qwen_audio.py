@@ -36,11 +36,11 @@ from .._media._policy import MediaPolicy, item_label
 from .._media._waveforms import AudioBudget, AudioRules, load_audio
 from .._protocol import Preprocessed
 from ._tower import (
+    Patches,
     PerThread,
     TowerModel,
     architecture_json,
     checked_request,
-    content_key,
     identity_digest,
     settings_json,
     state_digest,
@@ -98,6 +98,7 @@ class QwenAudioModel(TowerModel):
 
     _feature_keys = (INPUT_FEATURES, FEATURE_LENGTHS)
     _MODALITIES = frozenset({Modality.AUDIO})
+    _SHOWN = (("family", "_family"), ("hidden_size", "_hidden_size"))
 
     def __init__(
         self,
@@ -144,9 +145,9 @@ class QwenAudioModel(TowerModel):
         self._limits = limits or MediaLimits()
         self._extractor_config: dict[str, Any] = feature_extractor.to_dict()
         self._sampling_rate = int(feature_extractor.sampling_rate)
-        self._hop = int(feature_extractor.hop_length)
         self._window_seconds = float(feature_extractor.chunk_length)
-        self._min_samples = (_min_frames(family) - 1) * self._hop + 1
+        hop = int(feature_extractor.hop_length)
+        self._min_samples = (_min_frames(family) - 1) * hop + 1
         if projector is not None:
             linear: Any = projector.linear
             self._hidden_size = int(linear.out_features)
@@ -187,12 +188,6 @@ class QwenAudioModel(TowerModel):
     def encoder(self) -> PreTrainedModel:
         """The underlying transformers audio encoder."""
         return self._encoder
-
-    def __repr__(self) -> str:
-        return (
-            f"QwenAudioModel(name={self._name!r}, family={self._family!r}, "
-            f"hidden_size={self._hidden_size}, dtype={self.dtype}, device={self.device})"
-        )
 
     # --- preprocessing ------------------------------------------------------------------
 
@@ -236,8 +231,7 @@ class QwenAudioModel(TowerModel):
         rules = self.audio_rules(limits)
         budget = AudioBudget(limits.max_request_audio_seconds)
         extractor = self._extractors.get()
-        values: list[torch.Tensor] = []
-        lengths: list[torch.Tensor] = []
+        patches: list[Patches] = []
         # One extractor call per item: a batched call would hold every item's spectrogram
         # (a 30 s window's is ~5 MB) at once; the features are the same either way.
         for index, item in enumerate(items):
@@ -261,20 +255,11 @@ class QwenAudioModel(TowerModel):
             if self._family == "qwen2_5_omni":
                 # The encoder reads the valid frames only, packed along time: [mels, L].
                 window = window[0][:, mask[0].bool()].contiguous()
-            values.append(window)
-            lengths.append(mask.sum(-1).to(torch.int64))
-        if not values:
-            return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
-        frame_counts = torch.cat(lengths)
-        rows = tuple((int(length),) for length in frame_counts.tolist())
-        token_counts = tuple(audio_output_length(row[0], self._family) for row in rows)
-        joined = torch.cat(values, dim=1 if self._family == "qwen2_5_omni" else 0)
-        features = {INPUT_FEATURES: joined, FEATURE_LENGTHS: frame_counts}
-        return Preprocessed(
-            token_counts=token_counts,
-            grid=rows,
-            features=features,
-            cache_key=content_key(self._identity, features, rows),
+            patches.append((window, mask.sum(-1).to(torch.int64), None))
+        return self._result(
+            patches,
+            lambda row: audio_output_length(row[0], self._family),
+            dim=1 if self._family == "qwen2_5_omni" else 0,
         )
 
     # --- forward ------------------------------------------------------------------------

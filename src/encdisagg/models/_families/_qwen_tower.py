@@ -21,19 +21,19 @@ from ..._modality import Modality
 from ..._video_timing import VideoTiming, video_timing
 from .._grids import grid_tokens
 from .._media._limits import MediaLimits, ResizeRule
-from .._media._pixels import load_image, load_video
+from .._media._pixels import load_video
 from .._media._policy import MediaPolicy, item_label
 from .._media._video_items import video_source
 from .._protocol import Preprocessed
 from ._fast_pixels import fast_pixels
 from ._qwen_video import GRID_THW, PIXEL_VALUES, VIDEO_CONFIG_NAME, check_shared_settings
 from ._tower import (
+    Patches,
     PerThread,
     TowerModel,
     architecture_json,
     checked_request,
     identity_digest,
-    image_patches,
     pixel_budget,
     settings_json,
     state_digest,
@@ -170,48 +170,28 @@ class QwenTower(TowerModel):
             limits or self._limits, len(items), self._image_rule, self._video_rule
         )
         processor = self._processors.get()
-        pixel_values: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
+        patches: list[Patches] = []
         timings: list[VideoTiming] = []
-        sources: list[torch.Tensor] = []  # the fast path's resized uint8 pixels, per item
         for index, item in enumerate(items):
-            resized: torch.Tensor | None = None
             if modality is Modality.IMAGE:
-                image = load_image(item, index, self._media, budget=budget)
-                if self._pixels is None:
-                    values, grid = image_patches(processor, image, index)
-                else:
-                    values, grid, resized = self._fast_image(self._pixels, image, index)
-            else:
-                source, fps = video_source(item, index)
-                times: list[float] = []
-                frames = load_video(source, index, self._media, budget=budget, frame_times=times)
-                values, grid, resized = self._video_patches(processor, frames, index)
-                # The <t seconds> of each temporal patch, as the family's processor has them.
-                timings.append(
-                    video_timing(len(frames), self._temporal, fps=fps, frame_times=times or None)
-                )
-            pixel_values.append(values)
-            grids.append(grid)
-            if resized is not None:
-                sources.append(resized)
-        return self._image_result(
-            pixel_values,
-            grids,
-            sources,
+                patches.append(self._image_item(processor, item, index, budget))
+                continue
+            source, fps = video_source(item, index)
+            times: list[float] = []
+            frames = load_video(source, index, self._media, budget=budget, frame_times=times)
+            patches.append(self._video_patches(processor, frames, index))
+            # The <t seconds> of each temporal patch, as the family's processor has them.
+            timings.append(
+                video_timing(len(frames), self._temporal, fps=fps, frame_times=times or None)
+            )
+        return self._result(
+            patches,
             lambda row: grid_tokens(row, self._merge_size),
             tuple(timings) if modality is Modality.VIDEO else None,
         )
 
-    def _fast_image(
-        self, pixels: FastPixels, image: Image.Image, index: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One image's ``(pixel_values, grid_thw, resized uint8 pixels)`` on the fast path,
-        sized by the processor's own rule; the first and last on the path's device. Blocks
-        on CPU work.
-
-        :raises BadRequestError: naming ``mm_items[index]`` for an aspect ratio above 200.
-        """
+    def _fast_image(self, pixels: FastPixels, image: Image.Image, index: int) -> Patches:
+        """:raises BadRequestError: naming ``mm_items[index]`` for an aspect ratio above 200."""
         try:
             height, width = self._image_rule.resized(image.width, image.height)
         except ValueError as exc:  # the processor's refusal, in its words
@@ -223,9 +203,8 @@ class QwenTower(TowerModel):
 
     def _video_patches(
         self, processor: Qwen2VLImageProcessorPil, frames: list[Image.Image], index: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One video item's ``(pixel_values, grid_thw, resized uint8 frames)``, the last
-        ``None`` on the processor's path: each adapter sizes the frames."""
+    ) -> Patches:
+        """One video item's patches: each adapter sizes the frames."""
         raise NotImplementedError
 
     def _encode(self, firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> torch.Tensor:

@@ -131,10 +131,8 @@ def paired_frames(
 def fast_clip(
     pixels: FastPixels, frames: list[Image.Image], height: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A video's ``pixel_values`` rows, ``(1, 3)`` grid and resized ``uint8`` frames on the
-    fast path: every frame resized to ``height`` x ``width`` in batches, laid out as
-    :func:`paired_frames` lays them out; the values and frames on ``pixels.device``. Blocks
-    on CPU work."""
+    """:func:`paired_frames` on the fast path, with the resized ``uint8`` frames; on
+    ``pixels.device``. Blocks on CPU work."""
     values, clip = pixels.qwen_video(frames, height, width)
     grid_t = -(-len(frames) // pixels.temporal)
     patch = pixels.patch_size

@@ -19,7 +19,8 @@ import torch
 from ..._errors import BadRequestError, InternalError
 from ..._modality import Modality
 from .._media._limits import MediaLimits, PixelBudget, ResizeRule, derived_image_pixels
-from .._media._policy import item_label
+from .._media._pixels import load_image
+from .._media._policy import MediaPolicy, item_label
 from .._protocol import Preprocessed, split_embedding
 
 if TYPE_CHECKING:
@@ -30,13 +31,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PROVENANCE_KEYS",
+    "Patches",
     "PerThread",
     "TowerModel",
     "architecture_json",
     "checked_request",
     "content_key",
     "identity_digest",
-    "image_patches",
     "pixel_budget",
     "pixels_key",
     "settings_json",
@@ -45,6 +46,10 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+#: One item's ``pixel_values``, its grid rows and, where the fast path made them, the resized
+#: ``uint8`` pixels they follow from (``None`` on the processor's path).
+Patches = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 # Config entries that say where a model came from or which library wrote it, not what it
 # computes; leaving them out of the identity keeps it equal across a save/load round trip.
@@ -107,13 +112,10 @@ def content_key(
 def pixels_key(
     identity: str, pixels: Sequence[torch.Tensor], grid: tuple[tuple[int, ...], ...]
 ) -> str:
-    """The ``cache_key`` of input preprocessed on the fast path: sha256 over the model's
-    identity (which names the path and the processor's settings), the grid and each item's
-    resized ``uint8`` pixels, in order. The features follow from these exactly, and they are
-    an eighth of the features' bytes (images fill two temporal slots of four-byte floats),
-    so the key costs that much less to hash. Pixels on a device are copied back to hash, so
-    the ``"device"`` mode's keys are the ``"fast"`` mode's. Blocks on hashing and on those
-    copies (which wait for the device's queued work)."""
+    """The ``cache_key`` of input preprocessed on the fast path: sha256 over the identity, the
+    grid and each item's resized ``uint8`` pixels, which the features follow from exactly at
+    an eighth of their bytes. Device pixels are hashed on the CPU, so the ``"device"`` mode's
+    keys are the ``"fast"`` mode's. Blocks on hashing and on those copies."""
     digest = hashlib.sha256()
     digest.update(identity.encode())
     digest.update(json.dumps(grid).encode())
@@ -178,23 +180,9 @@ def pixel_budget(
     )
 
 
-def image_patches(processor: Any, image: Image.Image, index: int) -> tuple[Any, Any]:
-    """One image through an image processor: its ``pixel_values`` and ``image_grid_thw``.
-    Blocks on the processor's CPU work.
-
-    :raises BadRequestError: naming ``mm_items[index]`` for an image the processor refuses
-        (e.g. an aspect ratio above 200).
-    """
-    try:
-        out = processor(images=[image], return_tensors="pt")
-    except (ValueError, TypeError) as exc:
-        raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
-    return out["pixel_values"], out["image_grid_thw"]
-
-
 class TowerModel:
-    """What every adapter has in common: its properties, ``forward`` and the result of an
-    image family's ``preprocess``. A subclass sets ``_name``, ``_identity``, ``_limits``,
+    """What every adapter has in common: its properties, ``forward``, an image family's image
+    items and the result of ``preprocess``. A subclass sets ``_name``, ``_identity``, ``_limits``,
     ``_hidden_size`` and ``_weights`` (the module whose dtype and device the embeddings have)
     in its constructor, names its two feature tensors in ``_feature_keys`` and defines
     ``_encode``."""
@@ -202,6 +190,7 @@ class TowerModel:
     _name: str
     _identity: str
     _limits: MediaLimits
+    _media: MediaPolicy
     _hidden_size: int
     _weights: Any
     #: The keys of ``Preprocessed.features`` ``preprocess`` writes and ``forward`` reads.
@@ -211,8 +200,18 @@ class TowerModel:
     #: processor itself runs (``"reference"``).
     _pixels: FastPixels | None
 
+    #: ``(label, attribute)`` of each value ``repr`` shows between the name and the dtype.
+    _SHOWN: ClassVar[tuple[tuple[str, str], ...]] = (("hidden_size", "_hidden_size"),)
+
     #: ``preprocess`` takes a per-call ``limits`` keyword (the encoder passes its config's).
     accepts_media_limits: Final = True
+
+    def __repr__(self) -> str:
+        shown = "".join(f"{label}={getattr(self, name)!r}, " for label, name in self._SHOWN)
+        return (
+            f"{type(self).__name__}(name={self._name!r}, {shown}"
+            f"dtype={self.dtype}, device={self.device})"
+        )
 
     @property
     def name(self) -> str:
@@ -307,27 +306,50 @@ class TowerModel:
         and ``seconds``, one element after the other. Runs in inference mode."""
         raise NotImplementedError
 
-    def _image_result(
+    def _image_item(self, processor: Any, item: object, index: int, budget: PixelBudget) -> Patches:
+        """One image item, decoded within ``budget``, through the fast path where there is
+        one, else through ``processor``. Blocks on reads, decoding and CPU work.
+
+        :raises BadRequestError: naming ``mm_items[index]`` for an image that cannot be
+            fetched or decoded, that passes the budget, or that the processor refuses (e.g.
+            an aspect ratio above 200).
+        """
+        image = load_image(item, index, self._media, budget=budget)
+        if self._pixels is not None:
+            return self._fast_image(self._pixels, image, index)
+        try:
+            out = processor(images=[image], return_tensors="pt")
+        except (ValueError, TypeError) as exc:
+            raise BadRequestError(f"{item_label(index)}: cannot preprocess image: {exc}") from exc
+        return out["pixel_values"], out["image_grid_thw"], None
+
+    def _fast_image(self, pixels: FastPixels, image: Image.Image, index: int) -> Patches:
+        """One image's patches on the fast path, sized by the processor's own rule; on the
+        path's device. Blocks on CPU work."""
+        raise NotImplementedError
+
+    def _result(
         self,
-        pixel_values: list[torch.Tensor],
-        grids: list[torch.Tensor],
-        sources: list[torch.Tensor],
+        patches: list[Patches],
         tokens: Callable[[tuple[int, ...]], int],
         video_timing: tuple[VideoTiming, ...] | None = None,
+        *,
+        dim: int = 0,
     ) -> Preprocessed:
-        """An image family's preprocessed request: each item's ``pixel_values`` and grid
-        joined, ``tokens`` of each grid row, and the cache key (over ``sources``, the fast
-        path's resized pixels, where the fast path ran). The pixel values stay where they
-        were made (the model's device in the ``"device"`` mode). Blocks on hashing."""
-        if not grids:
+        """A preprocessed request: each item's features (joined along ``dim``) and grid
+        joined, ``tokens`` of each grid row, and the cache key (over the fast path's resized
+        pixels, where the fast path ran). The features stay where they were made (the
+        model's device in the ``"device"`` mode). Blocks on hashing."""
+        if not patches:
             return Preprocessed(token_counts=(), grid=(), features={}, cache_key=None)
+        pixel_values, grids, sources = zip(*patches, strict=True)
         grid = torch.cat(grids)
-        rows = tuple(tuple(int(size) for size in row) for row in grid.tolist())
+        rows = tuple(tuple(int(size) for size in row) for row in grid.view(len(grids), -1).tolist())
         token_counts = tuple(tokens(row) for row in rows)
         # One item's tensor as it is: a copy of it would cost as much as making it.
-        values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values)
+        values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values, dim=dim)
         features = dict(zip(self._feature_keys, (values, grid), strict=True))
-        if self._pixels is None:
+        if any(source is None for source in sources):  # the processor's path
             cache_key = content_key(self._identity, features, rows)
         else:
             cache_key = pixels_key(self._identity, sources, rows)

@@ -11,10 +11,10 @@ decision here is synchronous and never decodes; a refusal is a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..._errors import BadRequestError
+from ..._numbers import real, whole
 
 __all__ = [
     "DEFAULT_MAX_AUDIO_CHANNELS",
@@ -50,11 +50,6 @@ def derived_image_pixels(model_max_pixels: int) -> int:
     return max(4 * model_max_pixels, _UHD_PIXELS)
 
 
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadRequestError(f"{name} must be a positive integer; got {value!r}")
-
-
 @dataclass(frozen=True, slots=True)
 class MediaLimits:
     """The budgets one request's media must fit.
@@ -83,28 +78,15 @@ class MediaLimits:
     max_request_audio_seconds: float = DEFAULT_MAX_REQUEST_AUDIO_SECONDS
 
     def __post_init__(self) -> None:
-        _positive("max_items", self.max_items)
+        counts = ("max_items", "max_request_pixels", "max_audio_sample_rate", "max_audio_channels")
+        for name in counts:
+            whole(name, getattr(self, name), least=1, error=BadRequestError)
         if self.max_image_pixels is not None:
-            _positive("max_image_pixels", self.max_image_pixels)
-        _positive("max_request_pixels", self.max_request_pixels)
-        seconds = self.max_audio_seconds
-        if seconds is not None and (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, (int, float))
-            or not 0 < seconds < math.inf
-        ):
-            raise BadRequestError(f"max_audio_seconds must be a positive number; got {seconds!r}")
-        request_seconds = self.max_request_audio_seconds
-        if (
-            isinstance(request_seconds, bool)
-            or not isinstance(request_seconds, (int, float))
-            or not 0 < request_seconds < math.inf
-        ):
-            raise BadRequestError(
-                f"max_request_audio_seconds must be a positive number; got {request_seconds!r}"
-            )
-        _positive("max_audio_sample_rate", self.max_audio_sample_rate)
-        _positive("max_audio_channels", self.max_audio_channels)
+            whole("max_image_pixels", self.max_image_pixels, least=1, error=BadRequestError)
+        if self.max_audio_seconds is not None:
+            real("max_audio_seconds", self.max_audio_seconds, above=0, error=BadRequestError)
+        seconds = self.max_request_audio_seconds
+        real("max_request_audio_seconds", seconds, above=0, error=BadRequestError)
 
     def check_items(self, count: int) -> None:
         """:raises BadRequestError: naming ``mm_items``, for more than ``max_items``."""

@@ -12,33 +12,16 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
-import re
 
 from PIL import Image, UnidentifiedImageError
 
 from ..._errors import BadRequestError
 from ._bytes import item_bytes
 from ._limits import PixelBudget
-from ._policy import (
-    DEFAULT_MAX_MEDIA_BYTES,
-    DEFAULT_MAX_VIDEO_FRAMES,
-    VIDEO_FILE_FPS,
-    MediaPolicy,
-    item_label,
-)
+from ._policy import VIDEO_FILE_FPS, MediaPolicy, decoder_error, item_label
 
-__all__ = [
-    "DEFAULT_MAX_MEDIA_BYTES",
-    "DEFAULT_MAX_VIDEO_FRAMES",
-    "MediaPolicy",
-    "item_label",
-    "load_image",
-    "load_video",
-]
+__all__ = ["load_image", "load_video"]
 
-# Pillow names the file object it could not read ("<_io.BytesIO object at 0x7f...>"); a
-# client must never see an address of ours.
-_OBJECT_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")
 #: ``Image.draft`` reduces a JPEG while decoding it by one of these factors.
 _DRAFT_SCALES = (1, 2, 4, 8)
 
@@ -46,8 +29,7 @@ _DRAFT_SCALES = (1, 2, 4, 8)
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, UnidentifiedImageError):
         return "not an image format this server reads"
-    text = _OBJECT_REPR.sub("the item", str(exc)) or type(exc).__name__
-    return text[:300]
+    return decoder_error(exc)
 
 
 # --- images -----------------------------------------------------------------------------
@@ -134,11 +116,8 @@ def _even_indices(count: int, keep: int) -> list[int]:
 def _frame_plan(
     budget: PixelBudget | None, label: str, keep: int, width: int, height: int
 ) -> tuple[int, int]:
-    """``(frames to keep, pixels of each)`` of a video whose frames are ``width`` x
-    ``height``: at most ``keep``, fewer where ``budget`` holds fewer.
-
-    :raises BadRequestError: naming ``label`` for a frame size over the budget.
-    """
+    """``(frames to keep, pixels of each)``: at most ``keep``, fewer where ``budget`` holds
+    fewer. :raises BadRequestError: naming ``label`` for a frame size over the budget."""
     if budget is None:
         return keep, 0
     budget.check_source(label, width, height)

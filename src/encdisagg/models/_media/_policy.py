@@ -1,16 +1,20 @@
-"""What media a model accepts and from where (:class:`MediaPolicy`); how errors name items."""
+"""What media a model accepts and from where (:class:`MediaPolicy`); how errors name items
+and describe what a decoder refused."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..._errors import BadRequestError
+from ..._numbers import real, whole
 
 __all__ = [
     "DEFAULT_MAX_MEDIA_BYTES",
     "DEFAULT_MAX_VIDEO_FRAMES",
     "VIDEO_FILE_FPS",
     "MediaPolicy",
+    "decoder_error",
     "item_label",
 ]
 
@@ -18,6 +22,9 @@ DEFAULT_MAX_MEDIA_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_VIDEO_FRAMES = 768
 # Frames per second kept from a video file, as SGLang's encoder samples by default.
 VIDEO_FILE_FPS = 2.0
+# Decoders name the file object they could not read ("<_io.BytesIO object at 0x7f...>"); a
+# client must never see an address of ours.
+_OBJECT_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")
 
 
 @dataclass(frozen=True)
@@ -43,13 +50,9 @@ class MediaPolicy:
 
     def __post_init__(self) -> None:
         for name in ("max_media_bytes", "max_video_frames"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BadRequestError(f"{name} must be a positive integer; got {value!r}")
-        if not self.remote_timeout_s > 0:
-            raise BadRequestError(
-                f"remote_timeout_s must be positive; got {self.remote_timeout_s!r}"
-            )
+            whole(name, getattr(self, name), least=1, error=BadRequestError)
+        timeout = self.remote_timeout_s
+        real("remote_timeout_s", timeout, above=0, finite=False, error=BadRequestError)
         given: object = self.remote_media_domains
         if isinstance(given, str):
             raise BadRequestError("remote_media_domains must be a list of domains, not a string")
@@ -71,3 +74,9 @@ class MediaPolicy:
 def item_label(index: int) -> str:
     """How errors name the ``index``-th item of a request."""
     return f"mm_items[{index}]"
+
+
+def decoder_error(exc: BaseException) -> str:
+    """What a decoder's ``exc`` says, for a client: no addresses, at most 300 characters."""
+    text = _OBJECT_REPR.sub("the item", str(exc)).strip() or type(exc).__name__
+    return text[:300]

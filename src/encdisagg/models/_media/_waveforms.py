@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import io
 import math
-import re
 import struct
 import wave
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import torch
 
 from ..._errors import BadRequestError
 from ._bytes import item_bytes
-from ._policy import MediaPolicy, item_label
+from ._policy import MediaPolicy, decoder_error, item_label
 
 __all__ = [
     "MIN_AUDIO_SAMPLE_RATE",
@@ -46,7 +45,6 @@ _BLOCK_FRAMES: Final = 65_536
 #: Container formats handed to libsndfile, by their leading bytes; anything else is refused
 #: before a decoder sees it (libsndfile reads two dozen rarer formats we do not need).
 _WAV_MAGIC: Final = (b"RIFF", b"RIFX", b"RF64")
-_OBJECT_REPR: Final = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")
 #: A WAV ``data`` chunk of these sizes says "length unknown" (streamed writers use them).
 _UNKNOWN_WAV_SIZES: Final = frozenset({0, 0xFFFFFFFF})
 
@@ -134,13 +132,6 @@ class AudioBudget:
         self._spent += seconds
 
 
-def _describe(exc: BaseException) -> str:
-    # libsndfile names the file object it could not read; a client must never see our
-    # addresses.
-    text = _OBJECT_REPR.sub("the item", str(exc)).strip() or type(exc).__name__
-    return text[:300]
-
-
 def _sniffed_format(data: bytes) -> str | None:
     if data[:4] in _WAV_MAGIC and data[8:12] == b"WAVE":
         return "WAV"
@@ -201,7 +192,7 @@ def _decode(
     except BadRequestError:
         raise
     except Exception as exc:  # LibsndfileError, RuntimeError, and whatever a codec raises
-        raise BadRequestError(f"{label}: cannot decode audio: {_describe(exc)}") from exc
+        raise BadRequestError(f"{label}: cannot decode audio: {decoder_error(exc)}") from exc
     if not blocks:
         raise BadRequestError(f"{label}: audio has no samples")
     if budget is not None:
