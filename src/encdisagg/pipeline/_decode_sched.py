@@ -11,6 +11,7 @@ into results.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
+from .._numbers import whole
 from ..decode import (
     AbortAckTracker,
     CommitStatus,
@@ -179,8 +181,7 @@ class DecodeScheduler:
         """Register ``rid``; see :meth:`~encdisagg.pipeline.DecodeWorker.admit`."""
         if rid in self.jobs:
             raise RequestNotActiveError(f"request {rid!r} is live already", req_id=rid)
-        if isinstance(room, bool) or not isinstance(room, int) or room <= 0:
-            raise BadRequestError(f"room must be a positive integer; got {room!r}", req_id=rid)
+        whole("room", room, least=1, error=functools.partial(BadRequestError, req_id=rid))
         if any(job.room == room for job in self.jobs.values()):
             raise BadRequestError(f"room {room} is in use", req_id=rid)
         job = DecodeJob(rid, room, max_new_tokens, started_at=anyio.current_time())
@@ -354,11 +355,11 @@ class DecodeScheduler:
             job.seq_len = message.seq_len
             pages = max(1, -(-message.seq_len * self.kv_bytes_per_token // self.page_bytes))
             # Alone in the pool it must be able to finish, or retraction could never help it.
-            whole = -(-(message.seq_len + job.max_new_tokens) // self.page_tokens)
+            needed = -(-(message.seq_len + job.max_new_tokens) // self.page_tokens)
             try:
-                if whole > self.pool.num_pages:
+                if needed > self.pool.num_pages:
                     raise BadRequestError(
-                        f"request {job.rid!r} needs {whole} KV pages for its prompt and "
+                        f"request {job.rid!r} needs {needed} KV pages for its prompt and "
                         f"{job.max_new_tokens} new tokens; the pool has {self.pool.num_pages}",
                         req_id=job.rid,
                     )
