@@ -132,7 +132,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         self.page_bytes = page_tokens * lm.kv_bytes_per_token
         self.on_release_timeout = HoldPolicy.parse(on_release_timeout, field="on_release_timeout")
         scheduler = DecodeScheduler(
-            kv_bytes_per_token=lm.kv_bytes_per_token,
+            page_tokens=page_tokens,
             engine=engine,
             page_bytes=self.page_bytes,
             num_pages=num_pages,
