@@ -23,7 +23,6 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Final
 
 import anyio
-import anyio.abc
 import anyio.lowlevel
 import torch
 
@@ -133,7 +132,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         self.page_bytes = page_tokens * lm.kv_bytes_per_token
         self.on_release_timeout = HoldPolicy.parse(on_release_timeout, field="on_release_timeout")
         scheduler = DecodeScheduler(
-            kv_bytes_per_token=lm.kv_bytes_per_token,
+            page_tokens=page_tokens,
             engine=engine,
             page_bytes=self.page_bytes,
             num_pages=num_pages,
@@ -155,7 +154,6 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         self.release_timeout_s = release_timeout_s
         self.step_burst_s = step_burst_s
         self._idle = anyio.Event()
-        self._group: anyio.abc.TaskGroup | None = None
         self._open = False
         self._compute = anyio.CapacityLimiter(1)
 
@@ -236,7 +234,6 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
             self.table.registered(self.engine),
             anyio.create_task_group() as group,
         ):
-            self._group = group
             group.start_soon(self._schedule)
             self._open = True
             try:
@@ -252,7 +249,6 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
                 if not self._scheduler.is_idle():
                     _log.error("decode worker closing with work left: %s", self.stats())
                 group.cancel_scope.cancel("decode worker closing")
-                self._group = None
 
     # -- the scheduler task ------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ into results.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._errors import BadRequestError, RequestNotActiveError, ServiceUnavailableError
+from .._numbers import whole
 from ..decode import (
     AbortAckTracker,
     CommitStatus,
@@ -87,7 +89,7 @@ class DecodeScheduler:
     ``wake`` is set whenever there is something for the next pass to do; the worker waits on
     it (or on the transfer queue's next deadline) between passes and replaces it after.
 
-    :param kv_bytes_per_token: KV bytes one prompt token takes (sizes a request's pages).
+    :param page_tokens: tokens of KV per page (``page_bytes`` holds exactly that many).
     :param engine: the engine the pages are registered with (its session goes to prefill).
     :param on_release_timeout: what the transfer queue does with an aborted request whose
         drained-ack did not come within ``release_timeout_s`` (its ``on_timeout``).
@@ -99,7 +101,7 @@ class DecodeScheduler:
     def __init__(
         self,
         *,
-        kv_bytes_per_token: int,
+        page_tokens: int,
         engine: TransferEngine,
         page_bytes: int,
         num_pages: int,
@@ -110,10 +112,9 @@ class DecodeScheduler:
         max_running: int,
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
-        self.kv_bytes_per_token = kv_bytes_per_token
         self.engine = engine
         self.page_bytes = page_bytes
-        self.page_tokens = page_bytes // kv_bytes_per_token
+        self.page_tokens = page_tokens
         self.draft_layout = draft_layout
         self.pool = KVPagePool(num_pages, page_bytes)
         self.table = MetadataSlotTable(metadata_slots, extra_words=draft_layout.words)
@@ -179,8 +180,7 @@ class DecodeScheduler:
         """Register ``rid``; see :meth:`~encdisagg.pipeline.DecodeWorker.admit`."""
         if rid in self.jobs:
             raise RequestNotActiveError(f"request {rid!r} is live already", req_id=rid)
-        if isinstance(room, bool) or not isinstance(room, int) or room <= 0:
-            raise BadRequestError(f"room must be a positive integer; got {room!r}", req_id=rid)
+        whole("room", room, least=1, error=functools.partial(BadRequestError, req_id=rid))
         if any(job.room == room for job in self.jobs.values()):
             raise BadRequestError(f"room {room} is in use", req_id=rid)
         job = DecodeJob(rid, room, max_new_tokens, started_at=anyio.current_time())
@@ -352,13 +352,13 @@ class DecodeScheduler:
             if job.phase is not DecodePhase.WAITING or job.aborted:
                 return
             job.seq_len = message.seq_len
-            pages = max(1, -(-message.seq_len * self.kv_bytes_per_token // self.page_bytes))
+            pages = max(1, -(-message.seq_len // self.page_tokens))
             # Alone in the pool it must be able to finish, or retraction could never help it.
-            whole = -(-(message.seq_len + job.max_new_tokens) // self.page_tokens)
+            needed = -(-(message.seq_len + job.max_new_tokens) // self.page_tokens)
             try:
-                if whole > self.pool.num_pages:
+                if needed > self.pool.num_pages:
                     raise BadRequestError(
-                        f"request {job.rid!r} needs {whole} KV pages for its prompt and "
+                        f"request {job.rid!r} needs {needed} KV pages for its prompt and "
                         f"{job.max_new_tokens} new tokens; the pool has {self.pool.num_pages}",
                         req_id=job.rid,
                     )

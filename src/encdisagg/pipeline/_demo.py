@@ -197,9 +197,7 @@ async def run_demo(
                 decode.abort(request.rid)
 
             # The root of a traced request's one trace: encode, prefill and decode below it.
-            trace = _tracing.current()
-            attributes = None if trace is None else {"encdisagg.rid": request.rid}
-            with _tracing.span(trace, DEMO_SPAN, attributes):
+            with _tracing.span(_tracing.current(), DEMO_SPAN, {"encdisagg.rid": request.rid}):
                 async with limiter:
                     handle = decode.admit(
                         request.rid, request.room, max_new_tokens=request.max_new_tokens

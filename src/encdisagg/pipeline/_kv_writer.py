@@ -93,8 +93,7 @@ class KVPageWriter:
         :raises BadRequestError: the KV does not fit all the staging pages.
         :raises ServiceUnavailableError: no pages or row freed up within the timeout.
         """
-        nbytes = result.seq_len * self.lm.kv_bytes_per_token
-        count = max(1, -(-nbytes // self.page_bytes))
+        count = max(1, -(-result.seq_len // self.page_tokens))  # pages hold whole tokens
         if count > self.staging.num_pages:
             raise BadRequestError(
                 f"request {request.rid!r}: {count} KV pages do not fit the "

@@ -232,9 +232,7 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
             job.abort(None)
         report = PrefillReport(request.rid, PrefillStatus.FAILED, "not run")
         try:
-            trace = _tracing.current()
-            attributes = None if trace is None else {"encdisagg.rid": request.rid}
-            with _tracing.span(trace, PREFILL_SPAN, attributes):
+            with _tracing.span(_tracing.current(), PREFILL_SPAN, {"encdisagg.rid": request.rid}):
                 report = await self._run(job)
         finally:
             # Synchronous from here: no write is in flight, and the ack goes out before any
