@@ -214,32 +214,28 @@ class EncoderService:
                 note_req_id(body.get("req_id"))
             backend = self.require_backend()
             self.admit(route, body)
-            response = json_response(await call(self, backend, body))
+            return json_response(await call(self, backend, body))
         except EncdisaggError as exc:
             note_req_id(exc.req_id)
-            response = error_response(exc.status, public_message(exc.message), exc.req_id)
+            return error_response(exc.status, public_message(exc.message), exc.req_id)
         except HTTPException as exc:
-            response = http_error_response(exc, self.settings.max_body_bytes)
+            return http_error_response(exc, self.settings.max_body_bytes)
         except Exception:
             _log.exception("%s failed unexpectedly", route)
-            response = error_response(500, "internal server error", None)
-        return response
+            return error_response(500, "internal server error", None)
 
     async def health(self) -> Response:
         """``GET /health``: 200 when the model answers a probe (or is busy), else 503."""
         try:
             report = await self.require_backend().health()
         except EncdisaggError as exc:
-            response = error_response(503, public_message(exc.message), None)
+            return error_response(503, public_message(exc.message), None)
         except Exception:
             _log.exception("/health failed unexpectedly")
-            response = error_response(503, "the health check failed", None)
-        else:
-            if report.ok:
-                response = json_response({"status": "ok", "probed": report.probed})
-            else:
-                response = error_response(503, public_message(report.message), None)
-        return response
+            return error_response(503, "the health check failed", None)
+        if report.ok:
+            return json_response({"status": "ok", "probed": report.probed})
+        return error_response(503, public_message(report.message), None)
 
     async def live(self) -> Response:
         """``GET /health/live``: 200 while the process serves requests at all."""
@@ -250,10 +246,8 @@ class EncoderService:
         parallel) every worker is up; else 503 naming why. Runs no probe."""
         problem = readiness_problem(self._backend, draining=self.draining)
         if problem is None:
-            response = json_response({"status": "ok"})
-        else:
-            response = error_response(503, problem, None)
-        return response
+            return json_response({"status": "ok"})
+        return error_response(503, problem, None)
 
     async def render_metrics(self) -> Response:
         """``GET /metrics``: Prometheus text."""

@@ -37,12 +37,6 @@ class _Service(Protocol):
     def refuse_encodes(self) -> None: ...
 
 
-def held_requests(snapshot: ServiceSnapshot) -> int:
-    """Requests the service still holds (encoding, staged or delivering). Not async."""
-    gauges = snapshot.encoder.gauges
-    return int(gauges.get("live_requests", 0))
-
-
 class ServeDrain:
     """The drain of one served app.
 
@@ -65,7 +59,9 @@ class ServeDrain:
             await anyio.lowlevel.checkpoint()
             self.held = 0
         else:
-            self.held = held_requests(await backend.snapshot())
+            # Requests encoding, staged or delivering.
+            gauges = (await backend.snapshot()).encoder.gauges
+            self.held = int(gauges.get("live_requests", 0))
         return self.held
 
     async def settle(self) -> None:

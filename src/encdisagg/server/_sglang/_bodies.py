@@ -67,17 +67,10 @@ class SglangEncodeBody(Message, frozen=True):
         :raises BadRequestError: naming the first invalid field.
         """
         wire = decode_fields(body, _EncodeWire, "/encode")
-        hashes = wire.hashes
-        ours = {
-            "req_id": wire.req_id,
-            "mm_items": wire.mm_items,
-            "modality": wire.modality,
-            "num_parts": wire.num_parts,
-            "part_idx": wire.part_idx,
-            "hashes": None
-            if hashes is None
-            else [str(value) for value in (hashes if isinstance(hashes, list) else [hashes])],
-        }
+        ours = {name: getattr(wire, name) for name in EncodeBody.__struct_fields__}
+        if wire.hashes is not None:
+            hashes = wire.hashes if isinstance(wire.hashes, list) else [wire.hashes]
+            ours["hashes"] = [str(value) for value in hashes]
         encode = EncodeBody.from_json(ours)
         urls = None
         if wire.embedding_port is not None:

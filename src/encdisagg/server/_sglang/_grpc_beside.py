@@ -37,9 +37,7 @@ __all__ = ["grpc_beside"]
 
 
 @asynccontextmanager
-async def grpc_beside(
-    service: EncoderService, backend: Backend, sglang: SglangCalls | None = None
-) -> AsyncGenerator[str | None]:
+async def grpc_beside(service: EncoderService, backend: Backend) -> AsyncGenerator[str | None]:
     """Serve SGLang's gRPC encoder service beside ``service``'s routes while entered.
 
     Does nothing (yields ``None``) unless ``service.settings.grpc_port`` is set; else yields
@@ -47,8 +45,6 @@ async def grpc_beside(
     checkpoint that returns once the gRPC server listens; leaving is shielded and bounded
     (see :class:`~._grpc_server.GrpcServer`).
 
-    :param sglang: the SGLang calls to serve (anything with ``encode``, ``send`` and
-        ``scheduler_receive_url``); by default one is opened over ``backend``.
     :raises RuntimeError: naming the ``grpc`` extra, when a package of it is missing.
     :raises OSError: if the gRPC address cannot be bound.
     """
@@ -65,10 +61,9 @@ async def grpc_beside(
         return readiness_problem(service.backend, draining=service.draining) is None
 
     async with AsyncExitStack() as stack:
-        if sglang is None:
-            sglang = await stack.enter_async_context(
-                SglangService(backend, service.config, peers=service.peers)
-            )
+        sglang = await stack.enter_async_context(
+            SglangService(backend, service.config, peers=service.peers)
+        )
         server = GrpcServer(
             _Admitted(service, sglang),
             host=settings.grpc_host,

@@ -94,15 +94,11 @@ class ControlChannel(anyio.AsyncContextManagerMixin):
             raise TransferTimeoutError(
                 f"{payload.get('op')} to {address}: no answer within {self.timeout_s} s"
             )
-        return _result(frame, payload.get("op"), address)
-
-
-def _result(frame: bytes, op: object, address: str) -> Any:
-    try:
-        answer = json.loads(frame)
-    except (UnicodeDecodeError, ValueError):
-        answer = None
-    return control_result(answer, op, address)
+        try:
+            answer = json.loads(frame)
+        except (UnicodeDecodeError, ValueError):
+            answer = None
+        return control_result(answer, payload.get("op"), address)
 
 
 def control_result(answer: object, op: object, address: str) -> Any:

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Final
 
@@ -50,6 +49,8 @@ _log = logging.getLogger("encdisagg.server.vllm")
 
 #: How often the store is swept for age, at most (and at least a quarter of the age bound).
 _SWEEP_PERIOD_S: Final = 60.0
+#: Where the Encoder's own pushes reach this service: loopback, a free port per part.
+_RELAY_BIND: Final = "tcp://127.0.0.1:0"
 
 
 def check_connector(config: EncoderConfig, settings: ServerSettings) -> None:
@@ -78,8 +79,6 @@ class VllmService(anyio.AsyncContextManagerMixin):
     control channel. The backend must stay open meanwhile; this service never closes it.
 
     :param peers: when given, the hosts a consumer or Mooncake session may be (403 otherwise).
-    :param clock: the wall clock the store ages its files with.
-    :param relay_host: the loopback address the Encoder's own pushes reach this service on.
     """
 
     def __init__(
@@ -89,15 +88,11 @@ class VllmService(anyio.AsyncContextManagerMixin):
         settings: ServerSettings,
         *,
         peers: PeerAllowList | None = None,
-        clock: Callable[[], float] = time.time,
-        relay_host: str = "127.0.0.1",
     ) -> None:
         self._backend = backend
         self._config = config
         self._settings = settings
         self._peers = peers
-        self._clock = clock
-        self._relay_bind = f"tcp://{relay_host}:0"
         check_connector(config, settings)
         self._mooncake = settings.vllm_connector == "mooncake"
         self._dtype: torch.dtype | None = None
@@ -122,7 +117,6 @@ class VllmService(anyio.AsyncContextManagerMixin):
                     settings.vllm_storage_path,
                     max_bytes=settings.vllm_store_max_bytes,
                     max_age_s=settings.vllm_store_max_age_s,
-                    clock=self._clock,
                 )
                 await store.adopt()
                 await store.sweep()
@@ -244,7 +238,7 @@ class VllmService(anyio.AsyncContextManagerMixin):
         part = await relay_staged(
             self._backend,
             req_id,
-            bind=self._relay_bind,
+            bind=_RELAY_BIND,
             timeout_s=self._config.zmq_send_timeout_s,
         )
         tensor = part.tensor
