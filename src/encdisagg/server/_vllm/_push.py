@@ -30,6 +30,7 @@ from typing import Any, Final, TypeVar
 import anyio
 
 from ..._errors import EncdisaggError, InternalError, TransferTimeoutError
+from ..._strict import convert
 from .._fields import type_name
 from ._control import ControlChannel, ControlError, control_result
 
@@ -66,19 +67,19 @@ class PushSpec:
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """One shard's reservation, as its ``reserve`` answered."""
+    """One shard's reservation, as its ``reserve`` answered (a key left out: its default)."""
 
     address: str
-    reservation_id: str
-    dst_session: str
-    dst_ptr: int
-    nbytes: int
-    write: bool
-    ready: bool
-    cached: bool
-    cancelled: bool
     #: When the answer came (the caller's clock).
     received_at: float
+    reservation_id: str = ""
+    dst_session: str = ""
+    dst_ptr: int = 0
+    nbytes: int = 0
+    write: bool = True
+    ready: bool = False
+    cached: bool = False
+    cancelled: bool = False
 
     @property
     def writable(self) -> bool:
@@ -194,28 +195,12 @@ def _shard(address: str, answer: object, now: float) -> Shard:
     result = control_result(item, "reserve_batch", address)
     if not isinstance(result, dict):
         raise ControlError(f"reserve_batch to {address}: the item has no result")
-    try:
-        return Shard(
-            address=address,
-            reservation_id=_typed(result, "reservation_id", str, ""),
-            dst_session=_typed(result, "dst_session", str, ""),
-            dst_ptr=_typed(result, "dst_ptr", int, 0),
-            nbytes=_typed(result, "nbytes", int, 0),
-            write=_typed(result, "write", bool, True),
-            ready=_typed(result, "ready", bool, False),
-            cached=_typed(result, "cached", bool, False),
-            cancelled=_typed(result, "cancelled", bool, False),
-            received_at=now,
-        )
-    except TypeError as exc:
-        raise ControlError(f"reserve_batch to {address}: {exc}") from None
 
+    def error(message: str) -> ControlError:
+        return ControlError(f"reserve_batch to {address}: {message}")
 
-def _typed(result: dict[str, Any], key: str, kind: type[_T], default: _T) -> _T:
-    value = result.get(key, default)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise TypeError(f"{key} must be {kind.__name__}, got {type_name(value)}")
-    return value
+    fields = {**result, "address": address, "received_at": now}
+    return convert(fields, Shard, "the reservation", error)
 
 
 async def _refresh(
