@@ -27,11 +27,6 @@ class _Service(Protocol):
     def open(self) -> AbstractAsyncContextManager[object]: ...
 
 
-def _describe(exc: BaseException) -> str:
-    """``exc``'s message; for an exception group, its leaves' messages."""
-    return "; ".join(str(leaf) or type(leaf).__name__ for leaf in leaf_exceptions(exc))
-
-
 def _loop_mismatch(expected: str | None) -> str | None:
     """Why the running event loop cannot serve an app built for ``expected``, if it cannot."""
     if expected is None:
@@ -101,7 +96,9 @@ class ServiceLifespan(Middleware):
             async with self._service.open():
                 await self._app(scope, inner_receive, inner_send)
         except Exception as exc:
-            message = f"encdisagg: {_describe(exc)}"
+            # For an exception group, its leaves' messages.
+            leaves = "; ".join(str(leaf) or type(leaf).__name__ for leaf in leaf_exceptions(exc))
+            message = f"encdisagg: {leaves}"
             if not started:
                 # The server reports the message in one line; the traceback is for debugging.
                 _log.debug("the encoder service failed to start", exc_info=exc)

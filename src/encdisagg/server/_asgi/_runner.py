@@ -35,18 +35,6 @@ def _drop_running_on(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Running on")
 
 
-def _hypercorn_error_log() -> logging.Logger:
-    log = logging.getLogger("hypercorn.error")
-    if _drop_running_on not in log.filters:
-        log.addFilter(_drop_running_on)
-    return log
-
-
-def _url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://{host_port(host, port)}"
-
-
 class _WatchStartup(Middleware):
     """ASGI middleware that calls ``on_started`` once the lifespan startup completed."""
 
@@ -102,7 +90,7 @@ async def serve(
     # Without it, a connection its client closed stays open until the keep-alive expires.
     install_eof_close()
     listener = sock if sock is not None else bind_socket(host, port)
-    url = _url(listener)
+    url = "http://" + host_port(*listener.getsockname()[:2])
     config = HypercornConfig()
     # Hypercorn takes the descriptor over (and closes it); detach so nobody closes it twice.
     config.bind = [f"fd://{listener.detach()}"]
@@ -111,7 +99,10 @@ async def serve(
     config.shutdown_timeout = shutdown_timeout_s
     config.keep_alive_timeout = keep_alive_timeout_s
     config.accesslog = None
-    config.errorlog = _hypercorn_error_log()
+    error_log = logging.getLogger("hypercorn.error")
+    if _drop_running_on not in error_log.filters:
+        error_log.addFilter(_drop_running_on)
+    config.errorlog = error_log
 
     started = anyio.Event()
     wrapped = _WatchStartup(app, started.set)

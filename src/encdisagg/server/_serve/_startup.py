@@ -26,12 +26,6 @@ _LIFESPAN_FAILURE: Final = re.compile(r"^Lifespan failure in (?:startup|shutdown
 _APP_PREFIX: Final = "encdisagg: "
 
 
-def _causes(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside ``exc`` and its nested groups, in order, without the
-    cancellations a failing sibling caused (they are no cause)."""
-    return [leaf for leaf in leaf_exceptions(exc) if not _is_cancellation(leaf)]
-
-
 def _is_cancellation(exc: BaseException) -> bool:
     # Not imported: the command may run on either backend, and Trio may be absent.
     kind = type(exc)
@@ -80,7 +74,9 @@ def describe_startup_failure(
     task-group wording remains. Not async.
     """
     causes: list[str] = []
-    for leaf in _causes(exc) or [exc]:
+    # The cancellations a failing sibling caused are no cause.
+    leaves = [leaf for leaf in leaf_exceptions(exc) if not _is_cancellation(leaf)]
+    for leaf in leaves or [exc]:
         cause = " ".join(_describe_leaf(leaf, host, port).split())
         if cause not in causes:
             causes.append(cause)
