@@ -32,7 +32,6 @@ __all__ = [
     "encode_response",
     "receive_url_body",
     "send_body",
-    "status_of",
 ]
 
 _log = logging.getLogger("encdisagg.server")
@@ -133,20 +132,6 @@ def encode_response(answer: object) -> pb.EncodeResponse:
     )
 
 
-def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status code and details an RPC that raised ``exc`` ends with. Not async.
-
-    The codes are :data:`encdisagg._errors.WIRE_ANSWERS`' (SGLang's, and what it does not
-    tell apart); an unexpected exception is ``INTERNAL`` and its text is logged, never
-    answered.
-    """
-    if isinstance(exc, EncdisaggError):
-        # Scrubbed of object reprs (addresses of this process) and bounded, as the HTTP
-        # routes' answers are.
-        return grpc.StatusCode[grpc_code_of(exc)], public_message(exc.message)
-    return grpc.StatusCode.INTERNAL, "internal server error"
-
-
 class SglangEncoderServicer:
     """The ``SglangEncoder`` servicer (register it with
     ``add_SglangEncoderServicer_to_server``).
@@ -182,12 +167,16 @@ class SglangEncoderServicer:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
         try:
             return await self._run(call, body)
+        except EncdisaggError as exc:
+            # WIRE_ANSWERS' code; the message scrubbed of object reprs (addresses of this
+            # process) and bounded, as the HTTP routes' answers are.
+            code, details = grpc.StatusCode[grpc_code_of(exc)], public_message(exc.message)
         except Exception as exc:
-            code, details = status_of(exc)
-            if not isinstance(exc, EncdisaggError):
-                _log.error("gRPC %s failed unexpectedly", name, exc_info=exc)
-            await context.abort(code, details)
-            raise AssertionError("unreachable: abort raises") from None
+            # Its text is logged, never answered.
+            _log.error("gRPC %s failed unexpectedly", name, exc_info=exc)
+            code, details = grpc.StatusCode.INTERNAL, "internal server error"
+        await context.abort(code, details)
+        raise AssertionError("unreachable: abort raises")
 
     async def Encode(
         self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -139,7 +139,12 @@ async def push_item(
                     f"{shard.address} reserved {shard.nbytes} bytes for a "
                     f"{spec.nbytes}-byte item (mm_hash {spec.mm_hash!r})"
                 )
-        await _write_all(write, writable, unknown)
+        # A write that timed out may still land: its shard's reservation is not handed back.
+        await _on_each(
+            writable,
+            lambda shard: write(shard, len(writable)),
+            timed_out=lambda shard: unknown.add(shard.address),
+        )
         await _complete(channel, spec, writable)
     except BaseException:
         with anyio.CancelScope(shield=True):
@@ -216,14 +221,6 @@ async def _refresh(
         await channel.request(shard.address, _cancel(spec, shard.reservation_id, "refresh"))
         del reserved[shard.address]
     await _reserve(channel, spec, [shard.address for shard in stale], reserved, clock, unanswered)
-
-
-async def _write_all(write: Write, shards: list[Shard], unknown: set[str]) -> None:
-    async def one(shard: Shard) -> None:
-        await write(shard, len(shards))
-
-    # A write that timed out may still land: its shard's reservation is not handed back.
-    await _on_each(shards, one, timed_out=lambda shard: unknown.add(shard.address))
 
 
 async def _complete(channel: ControlChannel, spec: PushSpec, shards: list[Shard]) -> None:
