@@ -365,7 +365,15 @@ class RequestLifecycle:
             raise BadRequestError("receive_url must be a non-empty list of URLs", req_id=req_id)
         destinations = [ZmqDestination(url) for url in urls]
         _check_receive_count(req_id, receive_count)
-        record = await self._wait_live(req_id)
+
+        def live() -> RequestRecord | None:
+            found = self.table.get(req_id)
+            if found is None and self.table.ended(req_id):
+                raise released(req_id)
+            return found
+
+        # Waits (bounded) for the encode to create the record; waiting creates no state.
+        record = await self._wait_for(req_id, live, "req_id {req_id!r} did not appear within")
         if record.release_requested:
             raise RequestNotActiveError(f"req_id {req_id!r} is being released", req_id=req_id)
         self._fix_receive_count(record, receive_count)
@@ -375,18 +383,6 @@ class RequestLifecycle:
             record.push_urls.append(destination.url)
             if record.phase is Phase.STAGED:
                 self._start_push(record, destination.url)
-
-    async def _wait_live(self, req_id: str) -> RequestRecord:
-        """The live record of ``req_id``, waiting (bounded) for its encode to create it;
-        waiting or timing out creates no state."""
-
-        def live() -> RequestRecord | None:
-            record = self.table.get(req_id)
-            if record is None and self.table.ended(req_id):
-                raise released(req_id)
-            return record
-
-        return await self._wait_for(req_id, live, "req_id {req_id!r} did not appear within")
 
     # -- metadata, release --------------------------------------------------------------------
 
