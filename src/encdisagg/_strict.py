@@ -127,11 +127,8 @@ def decode(
         raise error(explain(exc, what)) from None
     # ValueError: an ext_hook refusing; RecursionError: nesting too deep for an ``Any`` field.
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-        raise error(f"{what} is not valid {_format(decoder)}: {exc}") from None
-
-
-def _format(decoder: object) -> str:
-    return "JSON" if isinstance(decoder, msgspec.json.Decoder) else "msgpack"
+        kind = "JSON" if isinstance(decoder, msgspec.json.Decoder) else "msgpack"
+        raise error(f"{what} is not valid {kind}: {exc}") from None
 
 
 def reject_ext(code: int, data: memoryview) -> Any:

@@ -119,31 +119,22 @@ class Delivery:
                             record.req_id,
                         )
                         return
+        write = (destination.session_id, staged.ptr, destination.buffer_address, staged.nbytes)
         write_async = self._write_async
         if write_async is not None:
             # The engine waits for its own write on the event loop (MooncakeEngine), no
             # worker thread per write; a cancellation takes effect once the write ended or
             # outlived the engine's bound.
             with job.waiting():
-                await write_async(
-                    destination.session_id, staged.ptr, destination.buffer_address, staged.nbytes
-                )
+                await write_async(*write)
             return
         if not regions.blocking:
-            engine.write(
-                destination.session_id, staged.ptr, destination.buffer_address, staged.nbytes
-            )
+            engine.write(*write)
             return
         # One worker-thread call, never abandoned: a cancellation takes effect once the
         # engine stopped reading the memory, or gave up waiting for it.
         with job.waiting():
-            await regions.call(
-                engine.write,
-                destination.session_id,
-                staged.ptr,
-                destination.buffer_address,
-                staged.nbytes,
-            )
+            await regions.call(engine.write, *write)
 
     async def push(self, job: Job, destination: ZmqDestination) -> None:
         """Push the embedding (or the request's error part) to a ZMQ PULL endpoint."""

@@ -1,12 +1,10 @@
 """The request lifecycle: encode, send, push, wait, release, expire.
 
-Every piece of work that may touch a request's staged memory runs inside a
-:class:`~._jobs.Job` of that request, counted in the request's record. The
-record is freed exactly once, by whichever job leaves last after release was asked for
-(or by the release itself when no job runs), so *drain before free* holds by construction:
-nothing can free memory while a job still runs. Transfers inside a job are worker-thread
-calls that are never abandoned (or calls that do not block at all), so a cancelled job
-leaves only after its transfer stopped touching memory.
+Work that may touch a request's staged memory runs inside a :class:`~._jobs.Job`, so
+*drain before free* holds by construction (``_jobs``); a record no job holds is freed by
+its release. Transfers inside a job are worker-thread calls that are never abandoned (or
+calls that do not block at all), so a cancelled job leaves only after its transfer stopped
+touching memory.
 
 The jobs run in their callers' tasks; the Encoder-initiated ones (pushes to registered
 destinations) run in the Encoder's own push task group. Deadlines are kept by one task
@@ -45,7 +43,6 @@ from ._events import EncoderEvents
 from ._jobs import CutShort, Job
 from ._staging._budget import StagedBudget
 from ._staging._owner import RegionOwner
-from ._staging._staged import Handover
 from ._table import Phase, RequestRecord, RequestTable, released
 from ._types import Destination, EncodeRequest, EncodeResult, ZmqDestination
 
@@ -298,7 +295,11 @@ class RequestLifecycle:
         record = job.record
         if record.phase is Phase.ENCODING:
             with job.waiting():
-                await self._wait_staged(record)
+                await self._wait_for(
+                    record.req_id,
+                    lambda: record.phase is not Phase.ENCODING or None,
+                    "req_id {req_id!r} was not staged within",
+                )
         if record.phase is not Phase.STAGED:
             if record.error is not None:
                 raise _error_copy(record.error)
@@ -319,12 +320,6 @@ class RequestLifecycle:
         if self._events.on_phase is not None:
             self._events.phase("transfer", self._now() - start)
         record.note_delivered(identity, self.config.default_receive_count)
-
-    async def _wait_staged(self, record: RequestRecord) -> None:
-        def staged() -> bool | None:
-            return True if record.phase is not Phase.ENCODING else None
-
-        await self._wait_for(record.req_id, staged, "req_id {req_id!r} was not staged within")
 
     async def _wait_for(self, req_id: str, outcome: Callable[[], T | None], timed_out: str) -> T:
         """Park on ``req_id`` until ``outcome()`` gives a value (or raises), at most
@@ -370,7 +365,15 @@ class RequestLifecycle:
             raise BadRequestError("receive_url must be a non-empty list of URLs", req_id=req_id)
         destinations = [ZmqDestination(url) for url in urls]
         _check_receive_count(req_id, receive_count)
-        record = await self._wait_live(req_id)
+
+        def live() -> RequestRecord | None:
+            found = self.table.get(req_id)
+            if found is None and self.table.ended(req_id):
+                raise released(req_id)
+            return found
+
+        # Waits (bounded) for the encode to create the record; waiting creates no state.
+        record = await self._wait_for(req_id, live, "req_id {req_id!r} did not appear within")
         if record.release_requested:
             raise RequestNotActiveError(f"req_id {req_id!r} is being released", req_id=req_id)
         self._fix_receive_count(record, receive_count)
@@ -380,18 +383,6 @@ class RequestLifecycle:
             record.push_urls.append(destination.url)
             if record.phase is Phase.STAGED:
                 self._start_push(record, destination.url)
-
-    async def _wait_live(self, req_id: str) -> RequestRecord:
-        """The live record of ``req_id``, waiting (bounded) for its encode to create it;
-        waiting or timing out creates no state."""
-
-        def live() -> RequestRecord | None:
-            record = self.table.get(req_id)
-            if record is None and self.table.ended(req_id):
-                raise released(req_id)
-            return record
-
-        return await self._wait_for(req_id, live, "req_id {req_id!r} did not appear within")
 
     # -- metadata, release --------------------------------------------------------------------
 
@@ -417,7 +408,9 @@ class RequestLifecycle:
             # Freed already; its own registration may still be on its way out.
             handover = self._regions.pending.get(req_id)
             if handover is not None:
-                await self._first_attempt(handover)
+                # Its first deregistration attempt; a failed one is retried by the owner.
+                with anyio.move_on_after(self.config.cleanup_timeout_s, shield=True):
+                    await handover.attempted.wait()
             self._raise_if_held(req_id)
             return
         self.request_release(record)
@@ -448,9 +441,9 @@ class RequestLifecycle:
     async def settle(self, record: RequestRecord) -> None:
         """Wait, shielded and at most ``cleanup_timeout_s``, until a releasing record was
         freed and a first attempt to deregister its own registration (if any) ended. Past
-        that bound, or after a failed attempt, the work
-        goes on where it belongs (the record's last job frees it; the region owner keeps
-        the region, its memory counted as staged): nothing is reported failed."""
+        that bound, or after a failed attempt, the work goes on where it belongs (the
+        record's last job frees it; the region owner keeps the region, its memory counted
+        as staged): nothing is reported failed."""
         if record.retired and record.handover is None:
             return
         with anyio.move_on_after(self.config.cleanup_timeout_s, shield=True):
@@ -459,12 +452,6 @@ class RequestLifecycle:
             if record.handover is not None:
                 # Its first deregistration attempt; a failed one is retried by the owner.
                 await record.handover.attempted.wait()
-
-    async def _first_attempt(self, handover: Handover) -> None:
-        """Wait, shielded and at most ``cleanup_timeout_s``, for the first deregistration
-        attempt of ``handover`` to end (a failed one is retried by the region owner)."""
-        with anyio.move_on_after(self.config.cleanup_timeout_s, shield=True):
-            await handover.attempted.wait()
 
 
 def _fail_layout(rows: torch.Tensor, metadata: EncodeResult) -> None:

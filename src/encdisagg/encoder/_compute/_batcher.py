@@ -138,14 +138,11 @@ class Batcher:
                         break
                 await self._run_batch(batch)
         finally:
-            self._fail_queued()
+            self.close()
 
     def close(self) -> None:
         """Refuse new jobs and fail the queued ones (503). Idempotent; not a checkpoint. For
         a batcher whose :meth:`run` never started (it does the same when it ends)."""
-        self._fail_queued()
-
-    def _fail_queued(self) -> None:
         # Closing the sending side first refuses new submits; the receiving side is closed
         # only once drained, since a closed one gives nothing back.
         self._send.close()
@@ -164,26 +161,23 @@ class Batcher:
 
     async def _run_batch(self, batch: Sequence[ForwardJob]) -> None:
         try:
-            await self._run_groups(batch)
+            by_modality: dict[Modality, list[ForwardJob]] = {}
+            for job in batch:
+                if job.abandoned:
+                    job.finish(None, None)
+                    continue
+                by_modality.setdefault(job.modality, []).append(job)
+            for group in by_modality.values():
+                if self._on_queue is not None:
+                    now = anyio.current_time()
+                    for job in group:
+                        self._on_queue(now - job.queued_at)
+                await self._forward_group(group)
         finally:
             # Cancelled mid-batch (shutdown): nobody may wait for a job that will never run.
             for job in batch:
                 if not job.done.is_set():
                     job.finish(None, ServiceUnavailableError("the encoder is shutting down"))
-
-    async def _run_groups(self, batch: Sequence[ForwardJob]) -> None:
-        by_modality: dict[Modality, list[ForwardJob]] = {}
-        for job in batch:
-            if job.abandoned:
-                job.finish(None, None)
-                continue
-            by_modality.setdefault(job.modality, []).append(job)
-        for group in by_modality.values():
-            if self._on_queue is not None:
-                now = anyio.current_time()
-                for job in group:
-                    self._on_queue(now - job.queued_at)
-            await self._forward_group(group)
 
     async def _forward_group(self, group: list[ForwardJob]) -> None:
         started_ns = time.time_ns()

@@ -107,8 +107,7 @@ class PrefixCache:
         if layout is None:
             self._misses += 1
             return None
-        tokens = layout[0]
-        entry = self.lookup(key, tokens=tokens, hidden_size=hidden_size, dtype=dtype)
+        entry = self.lookup(key, tokens=layout[0], hidden_size=hidden_size, dtype=dtype)
         return None if entry is None else (entry, layout)
 
     def insert(

@@ -62,7 +62,7 @@ class ComputePath:
         global_cache: GlobalCache | None = None,
         keys: KeySpace | None = None,
     ) -> None:
-        self._model = model
+        self.model = model
         # Read once: what the model declares does not change while it serves.
         options = ModelOptions.of(model)
         self._device = options.device or torch.device("cpu")
@@ -94,10 +94,6 @@ class ComputePath:
         self.shared = SharedEncodes(
             self._run_alone, events=events, max_media_bytes=config.max_media_bytes
         )
-
-    @property
-    def model(self) -> VisionModel:
-        return self._model
 
     @property
     def inline(self) -> bool:
@@ -290,9 +286,7 @@ class ComputePath:
     async def _bounded(self, req_id: str, wait: Callable[[], Awaitable[None]], what: str) -> None:
         """Await ``wait()`` for at most ``request_timeout_s``. A checkpoint.
 
-        :raises RequestTimeoutError: it did not end in time; the message says that ``what``
-            (the condition it waited out) lasted that long.
-        """
+        :raises RequestTimeoutError: saying that ``what`` lasted that long."""
         timeout = self._config.request_timeout_s
         try:
             with anyio.fail_after(timeout):
@@ -306,7 +300,7 @@ class ComputePath:
         self, request: EncodeRequest, batch: Sequence[Preprocessed]
     ) -> list[torch.Tensor]:
         try:
-            outputs = self._model.forward(batch)
+            outputs = self.model.forward(batch)
         except Exception as exc:
             raise forward_failure(exc, request.req_id)  # noqa: B904
         if len(outputs) != len(batch):
@@ -327,7 +321,7 @@ class ComputePath:
         key = self._cache_key(pre)
         if key is None:
             return None
-        hidden, dtype = self._model.hidden_size, self._model.dtype
+        hidden, dtype = self.model.hidden_size, self.model.dtype
         tokens = sum(pre.token_counts)
         return self._counted(
             req_id, partial(self._cache.lookup, key, tokens=tokens, hidden_size=hidden, dtype=dtype)
@@ -354,7 +348,7 @@ class ComputePath:
     ) -> None:
         """Insert ``(key, rows, tokens, grid)`` entries in the local tier (``grid``: one
         item's entry), counting what they evicted."""
-        hidden, dtype = self._model.hidden_size, self._model.dtype
+        hidden, dtype = self.model.hidden_size, self.model.dtype
         before = self._cache.stats().evictions
         for key, rows, tokens, grid in entries:
             self._cache.insert(key, rows, tokens=tokens, hidden_size=hidden, dtype=dtype, grid=grid)
@@ -370,9 +364,8 @@ class ComputePath:
         trace: _tracing.Trace | None,
         digests: Sequence[str] | None,
     ) -> tuple[torch.Tensor, Preprocessed]:
-        """Key each item (``digests``: content digests already computed); take local hits,
-        then global hits; preprocess and forward only the rest; assemble in item order;
-        insert what was computed (global: in the background). Global-tier failures never
+        """Each item through both cache tiers (``digests``: content digests already
+        computed); only misses are preprocessed and forwarded. Global-tier failures never
         fail the request (see docs/cache.md)."""
         global_cache, keys = self._global, self._keys
         assert global_cache is not None
@@ -419,7 +412,7 @@ class ComputePath:
     def _local_lookup(self, req_id: str, plan: ItemPlan) -> None:
         if self._config.prefix_cache_mb <= 0:
             return
-        model = self._model
+        model = self.model
         lookup = partial(self._cache.lookup_item, hidden_size=model.hidden_size, dtype=model.dtype)
         for key in plan.open_keys():
             hit = self._counted(req_id, partial(lookup, key))

@@ -61,8 +61,6 @@ class HeldStaging:
 
     def is_held(self, req_id: str) -> bool:
         """Whether the memory a freed lifecycle of ``req_id`` staged is still held."""
-        if not self.by_req_id:
-            return False
         staged = self.by_req_id.get(req_id)
         return staged is not None and staged.held
 

@@ -82,7 +82,8 @@ class RegionOwner:
     ) -> None:
         self.engine = engine
         self._budget = budget
-        self._blocking = EngineOptions.of(engine).blocking
+        #: Whether the engine's calls may block (they then run in worker threads).
+        self.blocking = EngineOptions.of(engine).blocking
         self._arena_bytes = arena_bytes
         self._device = device
         self._cleanup_timeout_s = cleanup_timeout_s
@@ -124,11 +125,6 @@ class RegionOwner:
         )
 
     @property
-    def blocking(self) -> bool:
-        """Whether the engine's calls may block (they then run in worker threads)."""
-        return self._blocking
-
-    @property
     def registered(self) -> int:
         """Registrations held right now (the arena counts as one)."""
         return self._registered.value
@@ -144,7 +140,7 @@ class RegionOwner:
         """Run an engine call: inline when the engine says its calls do not block, else in
         a worker thread that is never abandoned (unless ``abandon_on_cancel``, for a call
         whose memory something else keeps alive). A checkpoint only in the second case."""
-        if not self._blocking:
+        if not self.blocking:
             return func(*args)
         if abandon_on_cancel:
             return await anyio.to_thread.run_sync(func, *args, abandon_on_cancel=True)
@@ -242,10 +238,8 @@ class RegionOwner:
         if staged.held:
             self.held.defer(req_id, staged)
             return None
-        held_ids = self.held.by_req_id
-        if held_ids:
-            # The id's latest lifecycle ended clean: a release of it answers for that one.
-            held_ids.pop(req_id, None)
+        # The id's latest lifecycle ended clean: a release of it answers for that one.
+        self.held.by_req_id.pop(req_id, None)
         return self._release(req_id, staged)
 
     def _release(self, req_id: str, staged: Staged) -> Handover | None:
