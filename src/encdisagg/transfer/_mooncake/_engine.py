@@ -188,12 +188,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         check_range(call, "ptr", ptr, nbytes)
         with self._lock:
             engine = self._require(call)
-            clash = self._regions.overlapping(ptr, nbytes)
-            if clash is not None:
-                raise TransferError(
-                    f"{call} of {ptr:#x} ({nbytes} bytes): overlaps the registered region "
-                    f"{clash[0]:#x} ({clash[1]} bytes)"
-                )
+            self._regions.refuse_overlap(call, ptr, nbytes)
             rc = engine.register_memory(ptr, nbytes)
             if rc != 0:
                 raise TransferError(f"{call} of {ptr:#x} ({nbytes} bytes) failed (rc={rc})")
@@ -211,8 +206,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         call = "mooncake unregister_memory"
         with self._lock:
             engine = self._require(call)
-            if type(ptr) is not int or ptr not in self._regions:
-                raise TransferError(f"{call} of {ptr!r}: not registered")
+            self._regions.refuse_unknown(call, ptr)
             rc = engine.unregister_memory(ptr)
             if rc != 0:
                 raise TransferError(f"{call} of {ptr:#x} failed (rc={rc})")
