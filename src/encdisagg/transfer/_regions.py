@@ -53,8 +53,7 @@ class RegionTable:
         return None
 
     def refuse_overlap(self, call: str, ptr: int, nbytes: int, where: str = "") -> None:
-        """:raises TransferError: naming ``call`` if ``[ptr, ptr + nbytes)`` overlaps (or
-        repeats) a registered range; ``where`` follows the range in the message."""
+        """:raises TransferError: ``[ptr, ptr + nbytes)`` overlaps a registered range."""
         clash = self.overlapping(ptr, nbytes)
         if clash is not None:
             raise TransferError(
@@ -63,7 +62,7 @@ class RegionTable:
             )
 
     def refuse_unknown(self, call: str, ptr: object, where: str = "") -> None:
-        """:raises TransferError: naming ``call`` if no registered range starts at ``ptr``."""
+        """:raises TransferError: no registered range starts at ``ptr``."""
         if type(ptr) is not int or ptr not in self._sizes:
             raise TransferError(f"{call} of {ptr!r}{where}: not registered")
 
