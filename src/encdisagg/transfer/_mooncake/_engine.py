@@ -346,11 +346,9 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
     ) -> tuple[_MooncakeApi, bool]:
         """The running engine for a write the arguments allow, and whether the session is
         open already; the write counts as in flight until its lifetime's ``end_write()``.
-        Not async.
 
         :raises TransferError: naming ``call`` for a bad argument, a stopped engine, or a local
-            range outside this engine's registered regions.
-        """
+            range outside this engine's registered regions."""
         if not isinstance(target_session, str) or not target_session:
             raise TransferError(f"{call}: target_session must be a non-empty str")
         check_range(call, "local_ptr", local_ptr, nbytes)
