@@ -13,7 +13,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final, Protocol, cast, final
+from typing import TYPE_CHECKING, Final, Protocol, final
 
 import torch
 
@@ -128,7 +128,7 @@ def _check_count(call: str, answers: Sequence[object], what: str, keys: Sequence
         )
 
 
-def _store_class() -> Callable[[], object]:
+def _store_class() -> Callable[[], _MooncakeStoreApi]:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -137,7 +137,7 @@ def _store_class() -> Callable[[], object]:
             "the system library libibverbs1) on CPU hosts, or 'encdisagg[mooncake]' on CUDA "
             f"hosts. Importing it failed: {exc}"
         ) from exc
-    factory: Callable[[], object] = MooncakeDistributedStore
+    factory: Callable[[], _MooncakeStoreApi] = MooncakeDistributedStore
     return factory
 
 
@@ -147,10 +147,6 @@ def ensure_mooncake_store() -> None:
     :raises ImportError: saying what to install, if it is missing.
     """
     _store_class()
-
-
-def _create_store() -> _MooncakeStoreApi:
-    return cast(_MooncakeStoreApi, _store_class()())
 
 
 @final
@@ -232,7 +228,7 @@ def open_mooncake_store(settings: GlobalCacheSettings) -> MooncakeEmbeddingStore
     :raises TransferError: if the setup answered a failing code.
     :raises ImportError: if Mooncake is not installed.
     """
-    api = _create_store()
+    api = _store_class()()
     rc = api.setup(
         settings.host,
         settings.metadata,

@@ -103,12 +103,6 @@ def _metadata_param(text: str) -> str:
     return text
 
 
-def _host_param(name: str, text: str) -> str:
-    if not text or any(ch.isspace() for ch in text) or "/" in text:
-        raise _param(name, f"must be a host name; got {text!r}")
-    return text
-
-
 def parse_global_cache_url(url: str, *, default_host: str = "127.0.0.1") -> GlobalCacheSettings:
     """Parse ``mooncake://MASTER_HOST:PORT?metadata=URL[&name=value...]``.
 
@@ -168,7 +162,9 @@ def parse_global_cache_url(url: str, *, default_host: str = "127.0.0.1") -> Glob
         elif name == "cooldown_s":
             values[name] = _float_param(name, text)
         elif name == "host":
-            values[name] = _host_param(name, text)
+            if not text or any(ch.isspace() for ch in text) or "/" in text:
+                raise _param(name, f"must be a host name; got {text!r}")
+            values[name] = text
         elif name == "device":
             values[name] = text
         else:

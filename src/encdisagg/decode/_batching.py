@@ -189,9 +189,7 @@ class DecodeBatchScheduler:
 
     def owned_pages(self) -> int:
         """Pages held by waiting and running requests (retracted ones hold none)."""
-        return sum(len(rr.req.pages) for rr in self.waiting) + sum(
-            len(rr.req.pages) for rr in self.running
-        )
+        return sum(len(rr.req.pages) for rr in (*self.waiting, *self.running))
 
     def take_ended(self) -> list[RunningRequest]:
         """The requests that finished since the last call, in the order they finished."""

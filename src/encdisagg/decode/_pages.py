@@ -56,6 +56,10 @@ class PageAllocator:
     def available(self) -> int:
         return len(self._free)
 
+    def _check(self, page: int) -> None:
+        if not 0 <= page < self._num_pages:
+            raise InternalError(f"KV page {page} is out of range [0, {self._num_pages})")
+
     def is_allocated(self, page: int) -> bool:
         """Whether ``page`` is a valid page that is handed out right now."""
         return 0 <= page < self._num_pages and not self._is_free[page]
@@ -80,8 +84,7 @@ class PageAllocator:
         pages = tuple(pages)
         seen: set[int] = set()
         for page in pages:
-            if not 0 <= page < self._num_pages:
-                raise InternalError(f"KV page {page} is out of range [0, {self._num_pages})")
+            self._check(page)
             if self._is_free[page] or page in seen:
                 raise InternalError(f"KV page {page} freed twice")
             seen.add(page)

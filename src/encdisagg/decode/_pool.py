@@ -197,10 +197,6 @@ class KVPagePool(_RegisteredBuffer, PageAllocator):
 
     # -- addresses and views -------------------------------------------------------------------
 
-    def _check(self, page: int) -> None:
-        if not 0 <= page < self.num_pages:
-            raise InternalError(f"KV page {page} is out of range [0, {self.num_pages})")
-
     def page_address(self, page: int) -> int:
         """The address of ``page``, for a remote writer."""
         self._check(page)

@@ -34,8 +34,7 @@ class RegistryUrl:
         return self.prefix + name
 
     def __str__(self) -> str:
-        shown = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{SCHEME}://{shown}:{self.port}{self.prefix}"
+        return SCHEME + self.gateway.removeprefix("http") + self.prefix
 
 
 def parse_registry_url(url: str, *, field: str = "registry") -> RegistryUrl:

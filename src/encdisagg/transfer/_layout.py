@@ -29,16 +29,11 @@ _NAME: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 def bad_field(field: str, requirement: str, value: object) -> BadRequestError:
-    """The error for an embedding header ``field`` whose ``value`` is not ``requirement``."""
-    return BadRequestError(
-        f"embedding header field {field!r} must be {requirement}; got {short_repr(value)}"
-    )
-
-
-def short_repr(value: object) -> str:
-    """``repr(value)``, cut to 80 characters."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """The error for an embedding header ``field`` whose ``value`` (its repr cut to 80
+    characters) is not ``requirement``."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return BadRequestError(f"embedding header field {field!r} must be {requirement}; got {shown}")
 
 
 def _bad(requirement: str, value: object) -> BadRequestError:

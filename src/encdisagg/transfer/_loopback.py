@@ -97,12 +97,7 @@ class LoopbackEngine(anyio.AsyncContextManagerMixin):
         check_range(call, "ptr", ptr, nbytes)
         with self._fabric._lock:
             self._check_open(call)
-            clash = self._regions.overlapping(ptr, nbytes)
-            if clash is not None:
-                raise TransferError(
-                    f"{call} of {ptr:#x} ({nbytes} bytes) on {self._session_id}: overlaps the "
-                    f"registered region {clash[0]:#x} ({clash[1]} bytes)"
-                )
+            self._regions.refuse_overlap(call, ptr, nbytes, f" on {self._session_id}")
             self._regions.add(ptr, nbytes)
 
     def deregister(self, ptr: int) -> None:
@@ -114,8 +109,7 @@ class LoopbackEngine(anyio.AsyncContextManagerMixin):
         call = "loopback deregister"
         with self._fabric._lock:
             self._check_open(call)
-            if type(ptr) is not int or ptr not in self._regions:
-                raise TransferError(f"{call} of {ptr!r} on {self._session_id}: not registered")
+            self._regions.refuse_unknown(call, ptr, f" on {self._session_id}")
             self._regions.remove(ptr)
 
     def write(self, target_session: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:

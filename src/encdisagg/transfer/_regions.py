@@ -39,9 +39,6 @@ class RegionTable:
     def __len__(self) -> int:
         return len(self._starts)
 
-    def __contains__(self, ptr: object) -> bool:
-        return ptr in self._sizes
-
     def overlapping(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
         """The registered ``(start, nbytes)`` that overlaps ``[ptr, ptr + nbytes)``, if any."""
         i = bisect_right(self._starts, ptr)
@@ -54,6 +51,20 @@ class RegionTable:
             if start < ptr + nbytes:
                 return start, self._sizes[start]
         return None
+
+    def refuse_overlap(self, call: str, ptr: int, nbytes: int, where: str = "") -> None:
+        """:raises TransferError: ``[ptr, ptr + nbytes)`` overlaps a registered range."""
+        clash = self.overlapping(ptr, nbytes)
+        if clash is not None:
+            raise TransferError(
+                f"{call} of {ptr:#x} ({nbytes} bytes){where}: overlaps the registered region "
+                f"{clash[0]:#x} ({clash[1]} bytes)"
+            )
+
+    def refuse_unknown(self, call: str, ptr: object, where: str = "") -> None:
+        """:raises TransferError: no registered range starts at ``ptr``."""
+        if type(ptr) is not int or ptr not in self._sizes:
+            raise TransferError(f"{call} of {ptr!r}{where}: not registered")
 
     def covers(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` lies inside one registered range."""

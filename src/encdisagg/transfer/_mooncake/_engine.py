@@ -188,12 +188,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         check_range(call, "ptr", ptr, nbytes)
         with self._lock:
             engine = self._require(call)
-            clash = self._regions.overlapping(ptr, nbytes)
-            if clash is not None:
-                raise TransferError(
-                    f"{call} of {ptr:#x} ({nbytes} bytes): overlaps the registered region "
-                    f"{clash[0]:#x} ({clash[1]} bytes)"
-                )
+            self._regions.refuse_overlap(call, ptr, nbytes)
             rc = engine.register_memory(ptr, nbytes)
             if rc != 0:
                 raise TransferError(f"{call} of {ptr:#x} ({nbytes} bytes) failed (rc={rc})")
@@ -211,8 +206,7 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
         call = "mooncake unregister_memory"
         with self._lock:
             engine = self._require(call)
-            if type(ptr) is not int or ptr not in self._regions:
-                raise TransferError(f"{call} of {ptr!r}: not registered")
+            self._regions.refuse_unknown(call, ptr)
             rc = engine.unregister_memory(ptr)
             if rc != 0:
                 raise TransferError(f"{call} of {ptr:#x} failed (rc={rc})")
@@ -352,11 +346,9 @@ class MooncakeEngine(anyio.AsyncContextManagerMixin):
     ) -> tuple[_MooncakeApi, bool]:
         """The running engine for a write the arguments allow, and whether the session is
         open already; the write counts as in flight until its lifetime's ``end_write()``.
-        Not async.
 
         :raises TransferError: naming ``call`` for a bad argument, a stopped engine, or a local
-            range outside this engine's registered regions.
-        """
+            range outside this engine's registered regions."""
         if not isinstance(target_session, str) or not target_session:
             raise TransferError(f"{call}: target_session must be a non-empty str")
         check_range(call, "local_ptr", local_ptr, nbytes)
