@@ -58,6 +58,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    handler = args.handler
-    result: int = handler(args)
+    result: int = args.handler(args)
     return result

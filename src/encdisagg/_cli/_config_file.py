@@ -16,7 +16,7 @@ from typing import Any
 
 from .._config import EncoderConfig
 from .._suggest import did_you_mean
-from ._flag_table import SERVER_KEYS, expected, fits
+from ._flag_table import EXPECTED, SERVER_KEYS, fits
 
 __all__ = ["ConfigFile", "read_config_file"]
 
@@ -26,7 +26,6 @@ class ConfigFile:
     """What one file sets: ``values`` by canonical key (``encoder.model``, ``server.port``),
     ``names`` the same keys as the file spells them (``model`` at top level)."""
 
-    path: str
     values: dict[str, Any] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
     #: Every error of the file, each a full line naming the file and the key.
@@ -35,7 +34,7 @@ class ConfigFile:
 
 def read_config_file(path: str) -> ConfigFile:
     """The values and errors of the file at ``path``. Blocks on one file read; not async."""
-    result = ConfigFile(path)
+    result = ConfigFile()
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -52,7 +51,7 @@ def read_config_file(path: str) -> ConfigFile:
             result.problems.append(f"{path}: unknown key server.{key}{hint}")
         elif not fits(kind, value):
             result.problems.append(
-                f"{path}: server.{key} must be {expected(kind)}, got {_toml_type(value)}"
+                f"{path}: server.{key} must be {EXPECTED[kind]}, got {_toml_type(value)}"
             )
         else:
             result.values[f"server.{key}"] = value

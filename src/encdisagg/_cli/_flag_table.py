@@ -16,12 +16,9 @@ from typing import Any, Final, Literal
 
 from .._config import PREPROCESS_MODES
 
-__all__ = ["ENV_PREFIX", "FLAGS", "SERVER_KEYS", "Flag", "expected", "fits"]
+__all__ = ["EXPECTED", "FLAGS", "SERVER_KEYS", "Flag", "fits"]
 
 Kind = Literal["str", "int", "float", "bool", "list"]
-
-#: ``--max-batch-size`` is also ``ENCDISAGG_MAX_BATCH_SIZE``.
-ENV_PREFIX: Final = "ENCDISAGG_"
 
 _TRUE: Final = ("1", "true", "yes", "on")
 _FALSE: Final = ("0", "false", "no", "off")
@@ -48,7 +45,8 @@ class Flag:
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
+        """``--max-batch-size`` is also ``ENCDISAGG_MAX_BATCH_SIZE``."""
+        return "ENCDISAGG_" + self.dest.upper()
 
     def convert(self, value: object) -> Any:
         """``value`` (text from a flag or the environment; typed values pass) as this
@@ -68,7 +66,7 @@ class Flag:
         try:
             return int(text) if self.kind == "int" else float(text)
         except ValueError:
-            raise ValueError(f"expected {expected(self.kind)}; got {value!r}") from None
+            raise ValueError(f"expected {EXPECTED[self.kind]}; got {value!r}") from None
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         """Declare this option on ``parser``: its value stays text until :meth:`convert`, so
@@ -176,18 +174,14 @@ SERVER_KEYS: Final[dict[str, Kind]] = {
     if flag.key is not None and flag.key.startswith("server.")
 }
 
-_EXPECTED: Final[dict[Kind, str]] = {
+#: How an error names each kind: ``"an integer"``.
+EXPECTED: Final[dict[Kind, str]] = {
     "str": "a string",
     "int": "an integer",
     "float": "a number",
     "bool": "true or false",
     "list": "a list of strings",
 }
-
-
-def expected(kind: Kind) -> str:
-    """How an error names the kind: ``"an integer"``. Not async."""
-    return _EXPECTED[kind]
 
 
 def fits(kind: Kind, value: object) -> bool:

@@ -92,12 +92,11 @@ async def run_load(
     cancels the requests in flight (their parts are released by the client)."""
     result = LoadResult()
     limiter = anyio.CapacityLimiter(args.concurrency)
-    timeout = args.timeout_s
     started = time.perf_counter()
     async with EncoderClient(
         args.urls,
-        encode_timeout_s=timeout,
-        release_timeout_s=min(timeout, 5.0),
+        encode_timeout_s=args.timeout_s,
+        release_timeout_s=min(args.timeout_s, 5.0),
         max_connections=max(args.concurrency, 1) * 2,
         api_key=args.api_key,
     ) as client:

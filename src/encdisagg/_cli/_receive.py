@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import TextIO
@@ -62,17 +63,13 @@ def _run_fetch(args: argparse.Namespace, out: TextIO) -> int:
     from ._receive_staged import fetch_staged, staged_part
 
     try:
-        for part_id in args.part_ids:
-            staged_part(args.source, part_id)
+        parts = [staged_part(args.source, part_id) for part_id in args.part_ids]
     except ValueError as exc:
         print(f"encdisagg receive: error: {exc}", file=sys.stderr)
         return 2
-
-    def show(fields: dict[str, object]) -> None:
-        _print(fields, args.json, out)
-
+    show = functools.partial(_print, as_json=args.json, out=out)
     try:
-        failed = anyio.run(fetch_staged, args, show, backend=args.backend)
+        failed = anyio.run(fetch_staged, args, parts, show, backend=args.backend)
     except KeyboardInterrupt:
         return 1
     except EncdisaggError as exc:

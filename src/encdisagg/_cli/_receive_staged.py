@@ -49,9 +49,8 @@ def _line(metadata: PartMetadata, data: memoryview) -> dict[str, object]:
     }
 
 
-async def fetch_staged(args: argparse.Namespace, show: Print) -> int:
-    """Fetch each of ``args.part_ids`` from ``args.source``; how many failed. A checkpoint."""
-    parts = [staged_part(args.source, part_id) for part_id in args.part_ids]
+async def fetch_staged(args: argparse.Namespace, parts: list[PartPlan], show: Print) -> int:
+    """Fetch each of ``parts`` from ``args.source``; how many failed. A checkpoint."""
     failed = 0
     async with EncoderClient(
         [args.source],

@@ -286,8 +286,11 @@ def _settings(
         fields["allowed_peers"] = tuple(fields["allowed_peers"])
     if "grpc_port" not in fields:
         fields.pop("grpc_host", None)
-    elif (missing := _grpc_missing()) is not None:
-        problems.append(missing)
+    else:
+        from ..server._sglang._grpc_server import grpc_missing
+
+        if (missing := grpc_missing()) is not None:
+            problems.append(missing)
     before = len(problems)
     for name, value in fields.items():
         if name == "max_body_bytes":
@@ -315,12 +318,6 @@ def _settings(
         key = _SETTINGS_KEYS.get(name, f"server.{name}")
         problems.append(_get(chosen, key)[1].line(exc.message, name))
         return None
-
-
-def _grpc_missing() -> str | None:
-    from ..server._sglang._grpc_server import grpc_missing
-
-    return grpc_missing()
 
 
 def _advertise(

@@ -26,7 +26,7 @@ from ..server._serve._startup import describe_startup_failure
 from ..server._settings import ServerSettings
 from ._resolve import ServeOptions, UsageError, resolve
 
-__all__ = ["ServeOptions", "UsageError", "check_serve", "resolve", "run_serve", "warn_if_exposed"]
+__all__ = ["ServeOptions", "UsageError", "resolve", "run_serve", "warn_if_exposed"]
 
 _log = logging.getLogger("encdisagg.server")
 
@@ -42,22 +42,6 @@ def warn_if_exposed(host: str, settings: ServerSettings) -> bool:
         host,
     )
     return True
-
-
-def check_serve(args: argparse.Namespace) -> ServeOptions | int:
-    """The options of ``args``, or the exit status after printing why they are invalid
-    (2), or after printing them for ``--check`` (0). Imports no torch; not async."""
-    try:
-        options = resolve(args)
-    except UsageError as exc:
-        print(f"encdisagg serve: error: {exc}", file=sys.stderr)
-        return 2
-    if getattr(args, "check", False):
-        print("encdisagg serve: the options are valid")
-        for line in options.summary():
-            print(f"  {line}")
-        return 0
-    return options
 
 
 def _bind(options: ServeOptions) -> socket.socket | None:
@@ -85,10 +69,16 @@ def run_serve(args: argparse.Namespace) -> int:
     """The ``serve`` subcommand: 0 after a graceful shutdown (or a passed ``--check``), 2 for
     invalid options, 1 if the server could not start, 128 + the signal's number when a second
     signal stopped it at once."""
-    checked = check_serve(args)
-    if isinstance(checked, int):
-        return checked
-    options = checked
+    try:
+        options = resolve(args)  # imports no torch: invalid options answer at once
+    except UsageError as exc:
+        print(f"encdisagg serve: error: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "check", False):
+        print("encdisagg serve: the options are valid")
+        for line in options.summary():
+            print(f"  {line}")
+        return 0
     configure_logging(options.log_level, options.log_format)
     listener = _bind(options)
     if listener is None:

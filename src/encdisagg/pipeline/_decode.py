@@ -1,17 +1,10 @@
 """The decode worker: admits requests to KV pages, takes their KV from prefill, decodes.
 
-One scheduler task makes every decision synchronously, on the decode side's queues
-(:class:`~encdisagg.decode.DecodePreallocQueue`, :class:`~encdisagg.decode.DecodeTransferQueue`),
-in the order the decode docs prescribe: resolve held releases, preallocate, hand the pages to
-prefill, pop what transferred (the decisions live in :mod:`._decode_sched`). Committed
-requests join a :class:`~encdisagg.decode.DecodeBatchScheduler`; the same task then runs one
-batched decode step of every running request over the paged KV (the model in a worker
-thread, or inline when its steps are that short: ``LanguageModel.blocking_steps``), and loops
-while any request runs. A request's pages are freed when it finishes. An
-aborted request whose pages were handed out is held by the transfer queue until prefill's
-drained-ack for that abort's generation arrives; if ``release_timeout_s`` passes first, the
-worker's ``on_release_timeout`` policy decides: retire its pages and slot (the default: out
-of use until that ack arrives after all) or reuse them (SGLang's behaviour).
+One scheduler task makes every decision synchronously (they live in :mod:`._decode_sched`),
+then runs one batched decode step of every running request over the paged KV (the model in a
+worker thread, or inline when its steps are that short: ``LanguageModel.blocking_steps``), and
+loops while any request runs. What becomes of an aborted request's pages is the worker's
+``on_release_timeout`` policy (see :class:`DecodeWorker`).
 """
 
 from __future__ import annotations
@@ -195,7 +188,7 @@ class DecodeWorker(anyio.AsyncContextManagerMixin):
         await anyio.lowlevel.checkpoint()
         while not self._scheduler.is_idle():
             self._idle = anyio.Event()
-            self._scheduler.poke()
+            self._scheduler.wake.set()
             await self._idle.wait()
 
     async def wait_phase(self, rid: str, phase: DecodePhase) -> DecodePhase:

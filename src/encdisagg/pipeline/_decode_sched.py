@@ -164,9 +164,6 @@ class DecodeScheduler:
 
     def deliver(self, message: DecodeMessage) -> None:
         self._inbox.append(message)
-        self.poke()
-
-    def poke(self) -> None:
         self.wake.set()
 
     def _send(self, message: PrefillMessage) -> None:
@@ -211,7 +208,7 @@ class DecodeScheduler:
         elif phase is DecodePhase.DECODING:
             assert job.running is not None
             self.batcher.request_abort(job.running)
-        self.poke()
+        self.wake.set()
 
     def is_idle(self) -> bool:
         """Whether nothing is left to do: retired requests are no work (only their acks,
@@ -432,4 +429,4 @@ class DecodeScheduler:
         if self.jobs.get(job.rid) is job:
             del self.jobs[job.rid]
         job.done.set()
-        self.poke()
+        self.wake.set()

@@ -226,7 +226,6 @@ async def run_demo(
             prefill_stats.staging_rows - prefill_stats.staging_rows_free
         )
         receiver_stats = receiver.stats()
-        leaked_landing = receiver_stats.landing_pages_in_use
 
         outcomes = await _compare(planned, results, lm_reference, encoders[0].model)
     elapsed = anyio.current_time() - started
@@ -236,7 +235,7 @@ async def run_demo(
         decode=decode_stats,
         prefill=prefill_stats,
         leaked_staging=leaked_staging,
-        leaked_landing=leaked_landing,
+        leaked_landing=receiver_stats.landing_pages_in_use,
         held_landing=receiver_stats.held_pages,
         encoder_live=encoder_live,
         elapsed_s=elapsed,

@@ -11,7 +11,6 @@ reads it any more.
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,6 @@ from ._pd_messages import ROPE_DELTA_WORD, SEQ_LEN_WORD
 
 if TYPE_CHECKING:
     import threading
-    from collections.abc import AsyncIterator
 
     from ..transfer import TransferEngine
     from ._lm import LanguageModel, PrefillResult
@@ -75,15 +73,6 @@ class KVPageWriter:
         self.row_slots = MetadataSlotAllocator(staging_rows, zero_slot=self.rows.zero)
         self._staging_timeout_s = staging_timeout_s
         self._space = anyio.Event()
-
-    @asynccontextmanager
-    async def registered(self) -> AsyncIterator[None]:
-        """Register the staging pages and rows with the engine for the block."""
-        async with (
-            self.staging.registered(self.engine),
-            self.rows.registered(self.engine),
-        ):
-            yield
 
     async def stage(self, request: PipelineRequest, result: PrefillResult) -> StagedKV:
         """Take staging pages and a row, and pack the KV into them (worker thread).

@@ -147,8 +147,6 @@ class PagedDecoder:
         shape = (self._hidden,)
         rotated = heads + kv_heads
         new_kv: list[torch.Tensor] = []
-        # Few operations per layer: each one lets other threads take the interpreter lock,
-        # and waiting to get it back is what a step loses to them.
         for index, (norm1, qkv_w, qkv_b, o_w, norm2, gate_up_w, down_w) in enumerate(self._layers):
             normed = functional.rms_norm(hidden, shape, norm1, self._eps)
             qkv = functional.linear(normed, qkv_w, qkv_b).view(batch, rotated + kv_heads, dim)

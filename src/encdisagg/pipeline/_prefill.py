@@ -41,7 +41,6 @@ from ..receiver import EmbeddingReceiver, EncoderClient, fetch_embeddings
 from ._kv_writer import KVPageWriter, StagedKV
 from ._lm import LanguageModel, PrefillResult
 from ._pd_messages import (
-    AbortRequest,
     BootstrapInfo,
     DecodeMessage,
     DrainedAck,
@@ -148,27 +147,22 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
 
     def deliver(self, message: PrefillMessage) -> None:
         """A message from decode. Synchronous; never blocks."""
-        if isinstance(message, KVDestination):
-            job = self._jobs.get(message.room)
-            if job is None or job.request.rid != message.rid or job.aborted:
-                return
-            job.destination = message
-            job.destination_ready.set()
-            return
-        self._on_abort(message)
-
-    def _on_abort(self, message: AbortRequest) -> None:
         job = self._jobs.get(message.room)
-        if job is None or job.request.rid != message.rid:
-            if message.generation is not None:
-                # Nothing of that request is in flight here: the drain is over already.
-                self._send(DrainedAck(message.room, self.rank, message.generation))
-                self.acks_sent += 1
-            else:
-                # It may not have started here yet: remember, bounded.
-                self._tombstones.remember(message.room)
-            return
-        job.abort(message.generation)
+        if job is not None and job.request.rid != message.rid:
+            job = None  # another request's room
+        if isinstance(message, KVDestination):
+            if job is not None and not job.aborted:
+                job.destination = message
+                job.destination_ready.set()
+        elif job is not None:
+            job.abort(message.generation)
+        elif message.generation is not None:
+            # Nothing of that request is in flight here: the drain is over already.
+            self._send(DrainedAck(message.room, self.rank, message.generation))
+            self.acks_sent += 1
+        else:
+            # It may not have started here yet: remember, bounded.
+            self._tombstones.remember(message.room)
 
     def _send(self, message: DecodeMessage) -> None:
         if self._decode is None:
@@ -195,7 +189,7 @@ class PrefillWorker(anyio.AsyncContextManagerMixin):
     async def __asynccontextmanager__(self) -> AsyncGenerator[PrefillWorker]:
         if self._open:
             raise RuntimeError("a PrefillWorker is entered once at a time")
-        async with self._writer.registered():
+        async with self.staging.registered(self.engine), self.rows.registered(self.engine):
             self._open = True
             try:
                 yield self

@@ -1,11 +1,6 @@
 """The prefill worker's records: a pipeline request, how it went, the worker's statistics,
-and how an abort from decode reaches a request, running or not started yet.
-
-A running request is a :class:`PrefillJob`: an abort cancels its scope while nothing is being
-written, and otherwise only raises ``stop``, which the write thread checks between pages (a
-write that was started is never abandoned). An abort for a request that has not started here
-yet is remembered in :class:`AbortTombstones`, so it is aborted the moment it starts.
-"""
+and how an abort from decode reaches a request, running (:class:`PrefillJob`) or not started
+yet (:class:`AbortTombstones`)."""
 
 from __future__ import annotations
 
