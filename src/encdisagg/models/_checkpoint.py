@@ -149,4 +149,3 @@ def from_checkpoint(
         output_loading_info=True,
     )
     return model, info
-
