@@ -36,12 +36,10 @@ __all__ = [
     "TowerModel",
     "architecture_json",
     "checked_request",
-    "content_key",
     "identity_digest",
     "pixel_budget",
     "settings_json",
     "state_digest",
-    "update_with_tensor",
 ]
 
 _T = TypeVar("_T")
