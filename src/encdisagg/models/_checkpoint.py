@@ -1,6 +1,6 @@
 """What every loader shares: dtype parsing and weight casting, placing modules on a device,
-and reading a checkpoint folder (its JSON files, its safetensors weights, the refusal of
-missing ones). The loaders keep only which classes and key layouts their family uses."""
+and reading a checkpoint folder (its JSON files, its safetensors weights). The loaders keep
+only which classes and key layouts their family uses."""
 
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ __all__ = [
     "move_to",
     "parse_dtype",
     "read_json",
-    "refuse_missing",
-    "require_preprocessor",
 ]
 
 _DTYPE_ALIASES: Final = {
@@ -130,12 +128,6 @@ def model_type_of(model: str) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def require_preprocessor(folder: Path, name: str) -> None:
-    """:raises BadRequestError: naming ``model`` if ``folder`` has no processor settings."""
-    if not (folder / "preprocessor_config.json").is_file():
-        raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
-
-
 def from_checkpoint(
     loader: Any,
     folder: Path,
@@ -157,17 +149,3 @@ def from_checkpoint(
         output_loading_info=True,
     )
     return model, info
-
-
-def refuse_missing(info: Mapping[str, Any], name: str, what: str) -> None:
-    """transformers fills missing weights with random ones and only logs it; a tower with
-    random layers would serve noise, so refuse it.
-
-    :raises BadRequestError: naming ``model`` if ``info`` reports missing ``what`` weights.
-    """
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        shown = ", ".join(missing[:5])
-        raise BadRequestError(
-            f"model: checkpoint {name!r} lacks {len(missing)} {what} weights ({shown})"
-        )

@@ -33,8 +33,6 @@ from ._checkpoint import (
     move_to,
     parse_dtype,
     read_json,
-    refuse_missing,
-    require_preprocessor,
 )
 from ._families._fast_pixels import check_mode
 from ._families._kimi import KimiVisionModel
@@ -202,7 +200,8 @@ def _read_folder(
         the library cannot load, or weights it lacks.
     """
     folder = Path(name).expanduser()
-    require_preprocessor(folder, name)
+    if not (folder / "preprocessor_config.json").is_file():
+        raise BadRequestError(f"model: {name!r} has no preprocessor_config.json")
     dtype = dtype or declared_dtype(config, family.dtype_section) or torch.float32
     try:
         parts, info = family.reader(
@@ -212,7 +211,14 @@ def _read_folder(
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadRequestError(f"model: cannot load checkpoint {name!r}: {exc}") from exc
-    refuse_missing(info, name, family.weights)
+    # transformers fills missing weights with random ones and only logs it; a tower with
+    # random layers would serve noise.
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise BadRequestError(
+            f"model: checkpoint {name!r} lacks {len(missing)} {family.weights} weights "
+            f"({', '.join(missing[:5])})"
+        )
     return parts
 
 

@@ -5,6 +5,7 @@ error a caller sees of a task group of calls."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Final
 
 import anyio
@@ -56,18 +57,15 @@ class EncoderCallError(EncdisaggError):
         self.__dict__["status"] = status
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (
-            _rebuild_call_error,
-            (self.message, self.url, self.route, self.status, self.part_idx, self.req_id),
+        rebuild = partial(
+            EncoderCallError,
+            url=self.url,
+            route=self.route,
+            status=self.status,
+            part_idx=self.part_idx,
+            req_id=self.req_id,
         )
-
-
-def _rebuild_call_error(
-    message: str, url: str, route: str, status: int, part_idx: int | None, req_id: str | None
-) -> EncoderCallError:
-    return EncoderCallError(
-        message, url=url, route=route, status=status, part_idx=part_idx, req_id=req_id
-    )
+        return (rebuild, (self.message,))
 
 
 class EncoderLeftError(ServiceUnavailableError):

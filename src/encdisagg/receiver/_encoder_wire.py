@@ -73,26 +73,18 @@ def _wire_item(item: object, label: str) -> object:
             key: (_wire_item(value, f"{label}.frames") if key == "frames" else value)
             for key, value in item.items()
         }
-    image_bytes = _png_bytes(item)
-    if image_bytes is not None:
-        return _data_url(image_bytes)
+    from PIL import Image  # deferred: only callers that pass images pay for the import
+
+    if isinstance(item, Image.Image):
+        out = io.BytesIO()
+        item.save(out, format="PNG")  # lossless
+        return _data_url(out.getvalue())
     if type(item).__module__ == "numpy":
         raise BadRequestError(
             f"{label}: a NumPy waveform cannot be sent to an encoder server (its sampling "
             "rate is not known here); send the encoded audio (WAV, FLAC, OGG, MP3) instead"
         )
     raise BadRequestError(f"{label}: unsupported item type {type(item).__name__}")
-
-
-def _png_bytes(item: object) -> bytes | None:
-    """A PIL image's lossless PNG encoding; ``None`` for anything else."""
-    from PIL import Image  # deferred: only callers that pass images pay for the import
-
-    if not isinstance(item, Image.Image):
-        return None
-    out = io.BytesIO()
-    item.save(out, format="PNG")
-    return out.getvalue()
 
 
 def _data_url(data: bytes) -> str:

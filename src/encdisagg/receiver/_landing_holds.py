@@ -99,18 +99,15 @@ class HeldLandings(anyio.AsyncContextManagerMixin):
                 await _ask_until_confirmed(part_id, recheck)
                 self._pool.settle(run, _CONFIRMED)
                 return
-            self._bound_ran_out(run)
+            if self._policy is HoldPolicy.RETIRE:
+                self._pool.retire(run)
+            else:
+                self._pool.reuse(run)
         finally:
             if recheck is not None:
                 self._asking -= 1
                 self._asked.set()
                 self._asked = anyio.Event()
-
-    def _bound_ran_out(self, run: PageRun) -> None:
-        if self._policy is HoldPolicy.RETIRE:
-            self._pool.retire(run)
-        else:
-            self._pool.reuse(run)
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[HeldLandings]:
@@ -139,14 +136,9 @@ async def _ask_until_confirmed(part_id: str, recheck: Recheck | None) -> None:
     delay = _FIRST_ASK_S
     while True:
         await anyio.sleep(delay)
-        if await _ask(part_id, recheck):
-            return
+        try:
+            if await recheck():
+                return
+        except Exception:
+            _log.exception("asking whether part %r's write ended failed", part_id)
         delay = min(delay * 2, _MAX_ASK_S)
-
-
-async def _ask(part_id: str, recheck: Recheck) -> bool:
-    try:
-        return await recheck()
-    except Exception:
-        _log.exception("asking whether part %r's write ended failed", part_id)
-        return False

@@ -119,7 +119,7 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             )
         if transport == "mooncake" and engine is None:
             raise BadRequestError("transport 'mooncake' needs an engine to register landing memory")
-        self._spec = spec = EmbeddingSpec(hidden_size, dtype, layout)
+        self._spec = EmbeddingSpec(hidden_size, dtype, layout)
         whole("max_part_tokens", max_part_tokens, least=1, error=BadRequestError)
         real("quarantine_s", quarantine_s, least=0, finite=False, error=BadRequestError)
         try:
@@ -131,7 +131,7 @@ class EmbeddingReceiver(anyio.AsyncContextManagerMixin):
             raise BadRequestError(str(exc)) from None
         self.transport = transport
         self.hidden_size, self.dtype, self.layout = hidden_size, dtype, layout
-        self.itemsize = spec.itemsize
+        self.itemsize = dtype.itemsize
         self._engine = engine
         self._bind = bind
         self._landing_pages = landing_pages

@@ -117,10 +117,6 @@ def rendezvous_weight(key: bytes, url: str) -> bytes:
     return hashlib.blake2b(key + b"\0" + url.encode(), digest_size=8).digest()
 
 
-def _least_loaded(slots: Sequence[Slot]) -> Slot:
-    return min(slots, key=lambda s: ((s.inflight + 1) / s.capacity, s.url))
-
-
 def route_items(
     keys: Sequence[bytes | None], slots: Sequence[Slot], *, load_bound: float
 ) -> list[str]:
@@ -148,8 +144,8 @@ def route_items(
                 if slot.inflight + 1 <= bound:
                     target = slot
                     break
-        if target is None:
-            target = _least_loaded(slots)
+        if target is None:  # the least-loaded one
+            target = min(slots, key=lambda s: ((s.inflight + 1) / s.capacity, s.url))
         target.inflight += 1
         chosen.append(target.url)
     return chosen

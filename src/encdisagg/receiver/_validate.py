@@ -59,11 +59,6 @@ class EmbeddingSpec:
                 f"layout has {self.layout.width} columns, but hidden_size is {size}"
             )
 
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element of ``dtype``."""
-        return self.dtype.itemsize
-
 
 def check_part_index(plan: RequestPlan, part_idx: int, where: str) -> None:
     """:raises BadRequestError: ``part_idx`` is not one of the plan's parts."""
@@ -94,7 +89,7 @@ def check_metadata_size(
             f"{spec.hidden_size}",
             req_id=plan.rid,
         )
-    expected = metadata.embedding_len * metadata.embedding_dim * spec.itemsize
+    expected = metadata.embedding_len * metadata.embedding_dim * spec.dtype.itemsize
     if metadata.embedding_size != expected:
         raise BadRequestError(
             f"{where}: embedding_size is {metadata.embedding_size} bytes; "

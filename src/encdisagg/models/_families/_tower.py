@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar
 
 import torch
@@ -36,13 +36,10 @@ __all__ = [
     "TowerModel",
     "architecture_json",
     "checked_request",
-    "content_key",
     "identity_digest",
     "pixel_budget",
-    "pixels_key",
     "settings_json",
     "state_digest",
-    "update_with_tensor",
 ]
 
 _T = TypeVar("_T")
@@ -96,30 +93,22 @@ def identity_digest(*parts: str) -> str:
 
 
 def content_key(
-    identity: str, features: Mapping[str, torch.Tensor], grid: tuple[tuple[int, ...], ...]
+    identity: str,
+    grid: tuple[tuple[int, ...], ...],
+    tensors: Iterable[tuple[str, torch.Tensor]],
 ) -> str:
     """The ``cache_key`` of preprocessed input: sha256 over the model's identity, the grid
-    and every feature tensor. Blocks on hashing the features."""
+    and each named tensor (its name, then its dtype, shape and bytes). Blocks on hashing.
+
+    The processor's path names its feature tensors; the fast path passes each item's resized
+    ``uint8`` pixels, unnamed, which the features follow from exactly at an eighth of their
+    bytes. Device pixels are hashed on the CPU, so the ``"device"`` mode's keys are the
+    ``"fast"`` mode's."""
     digest = hashlib.sha256()
     digest.update(identity.encode())
     digest.update(json.dumps(grid).encode())
-    for key in sorted(features):
-        digest.update(key.encode())
-        update_with_tensor(digest, features[key])
-    return digest.hexdigest()
-
-
-def pixels_key(
-    identity: str, pixels: Sequence[torch.Tensor], grid: tuple[tuple[int, ...], ...]
-) -> str:
-    """The ``cache_key`` of input preprocessed on the fast path: sha256 over the identity, the
-    grid and each item's resized ``uint8`` pixels, which the features follow from exactly at
-    an eighth of their bytes. Device pixels are hashed on the CPU, so the ``"device"`` mode's
-    keys are the ``"fast"`` mode's. Blocks on hashing and on those copies."""
-    digest = hashlib.sha256()
-    digest.update(identity.encode())
-    digest.update(json.dumps(grid).encode())
-    for tensor in pixels:
+    for name, tensor in tensors:
+        digest.update(name.encode())
         update_with_tensor(digest, tensor)  # in its canonical (contiguous) layout
     return digest.hexdigest()
 
@@ -350,9 +339,10 @@ class TowerModel:
         values = pixel_values[0] if len(pixel_values) == 1 else torch.cat(pixel_values, dim=dim)
         features = dict(zip(self._feature_keys, (values, grid), strict=True))
         if any(source is None for source in sources):  # the processor's path
-            cache_key = content_key(self._identity, features, rows)
+            named = [(key, features[key]) for key in sorted(features)]
         else:
-            cache_key = pixels_key(self._identity, sources, rows)
+            named = [("", source) for source in sources]
+        cache_key = content_key(self._identity, rows, named)
         return Preprocessed(
             token_counts=token_counts,
             grid=rows,
