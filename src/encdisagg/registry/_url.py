@@ -34,7 +34,8 @@ class RegistryUrl:
         return self.prefix + name
 
     def __str__(self) -> str:
-        return SCHEME + self.gateway.removeprefix("http") + self.prefix
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{SCHEME}://{shown}:{self.port}{self.prefix}"
 
 
 def parse_registry_url(url: str, *, field: str = "registry") -> RegistryUrl:
