@@ -76,6 +76,10 @@ class EncoderLeftError(ServiceUnavailableError):
         super().__init__(f"encoder {url} left the registry during request {rid!r}", req_id=rid)
         self.url = url
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # The base rebuilds from the message; this constructor takes the URL and the rid.
+        return (type(self), (self.url, self.req_id))
+
 
 @dataclass(frozen=True, slots=True)
 class ReleaseOutcome:
