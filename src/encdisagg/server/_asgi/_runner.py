@@ -24,7 +24,7 @@ from ._listen import bind_socket, host_port
 from ._middleware import App, Middleware, Receive, Scope, Send
 from ._read_turns import install_read_turns, read_turns_from_env
 
-__all__ = ["bind_socket", "serve"]
+__all__ = ["serve"]
 
 _log = logging.getLogger("encdisagg.server")
 

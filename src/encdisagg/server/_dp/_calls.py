@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import anyio
 
@@ -23,6 +23,9 @@ from ._workers import DpWorker
 __all__ = ["PendingCalls"]
 
 _log = logging.getLogger("encdisagg.server.dp")
+
+#: The calls whose worker, once the caller left (timed out or cancelled), releases the request.
+_RELEASE_ON_ABORT: Final = frozenset({"encode", "send", "release"})
 
 
 @dataclass(eq=False)
@@ -69,12 +72,11 @@ class PendingCalls:
         *,
         req_id: str | None,
         limit_s: float,
-        release_on_abort: bool = False,
     ) -> Any:
         """Send one call to ``worker`` and wait (at most ``limit_s``) for its reply value.
 
         A checkpoint. If it times out or is cancelled after the call reached ZMQ, the worker
-        is told to cancel it (and, with ``release_on_abort``, to release ``req_id``).
+        is told to cancel it (and, for an encode, send or release, to release ``req_id``).
 
         :raises RequestTimeoutError: no reply within ``limit_s``.
         :raises ServiceUnavailableError: the worker died before it took or answered the call.
@@ -93,7 +95,7 @@ class PendingCalls:
                 await pending.done.wait()
         except TimeoutError:
             if sent:
-                _abort(worker, pending, release=release_on_abort)
+                _abort(worker, pending, op)
             raise RequestTimeoutError(
                 f"{worker.describe()} did not answer {op} within {limit_s} s", req_id=req_id
             ) from None
@@ -104,7 +106,7 @@ class PendingCalls:
         except BaseException:
             # Cancelled (the client left): the worker must not keep what it started.
             if sent:
-                _abort(worker, pending, release=release_on_abort)
+                _abort(worker, pending, op)
             raise
         finally:
             del self._calls[pending.id]
@@ -118,10 +120,10 @@ class PendingCalls:
         return reply.value
 
 
-def _abort(worker: DpWorker, pending: _Pending, *, release: bool) -> None:
+def _abort(worker: DpWorker, pending: _Pending, op: WorkOp) -> None:
     """Tell a worker to drop a call its caller left (and release its request)."""
     ok = worker.control.send_nowait(ControlMessage("cancel", id=pending.id).to_wire())
-    if release and pending.req_id is not None:
+    if op in _RELEASE_ON_ABORT and pending.req_id is not None:
         ok = (
             worker.control.send_nowait(ControlMessage("release", req_id=pending.req_id).to_wire())
             and ok

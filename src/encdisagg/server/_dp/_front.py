@@ -64,8 +64,6 @@ _log = logging.getLogger("encdisagg.server.dp")
 _MAX_IPC_DIR: Final = 80
 #: Bound on a ``stats`` call to one worker (for /metrics).
 _STATS_TIMEOUT_S: Final = 5.0
-#: The calls whose worker, once the caller left (timed out or cancelled), releases the request.
-_RELEASE_ON_ABORT: Final = frozenset({"encode", "send", "release"})
 
 
 class _Body(Protocol):
@@ -178,14 +176,12 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
             async with ServiceTaskGroup("data-parallel front", logger=_log) as group:
                 group.start_soon(self._listen, name="worker result listener")
                 try:
-                    for worker in self._workers:
-                        await self._supervisor.spawn(
-                            worker,
-                            results_url=results_url,
-                            config_file=config_files[worker.rank],
-                            backend_name=backend_name,
-                            group=group,
-                        )
+                    await self._supervisor.start(
+                        results_url=results_url,
+                        config_files=config_files,
+                        backend_name=backend_name,
+                        group=group,
+                    )
                     await self._supervisor.wait_ready()
                     yield
                 finally:
@@ -270,10 +266,7 @@ class DataParallelBackend(anyio.AsyncContextManagerMixin):
             )
         worker.require_alive(req_id)
         args = {} if body is None else body.to_wire()
-        release = op in _RELEASE_ON_ABORT
-        return await self._pending.call(
-            worker, op, args, req_id=req_id, limit_s=limit_s, release_on_abort=release
-        )
+        return await self._pending.call(worker, op, args, req_id=req_id, limit_s=limit_s)
 
     @property
     def _call_bound_s(self) -> float:

@@ -21,8 +21,8 @@ Channels (the front binds, workers connect):
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
-from typing import Annotated, Any, ClassVar, Final, Literal, Self, cast, get_args
+from collections.abc import Callable, Iterable, Mapping
+from typing import Annotated, Any, ClassVar, Final, Literal, Self, TypeVar, cast, get_args
 
 import anyio
 import anyio.lowlevel
@@ -77,6 +77,7 @@ WorkOp = Literal["encode", "send", "register", "metadata", "release", "health", 
 #: Call ids, ranks and pids: integers >= 0 (msgspec's bounds stop at int64).
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
+_T = TypeVar("_T")
 
 
 def pack(value: dict[str, Any]) -> bytes:
@@ -279,11 +280,6 @@ class IpcSocket:
         self.url = url
         self._lock = anyio.Lock()
 
-    def _require(self) -> zmq.Socket[Any]:
-        if self._socket is None:
-            raise anyio.ClosedResourceError
-        return self._socket
-
     def send_nowait(self, message: dict[str, Any]) -> bool:
         """Hand ``message`` to ZMQ if it takes it at once; ``False`` if it would block (no
         peer, or the queue is full) or the socket is closed. Not a checkpoint."""
@@ -302,36 +298,30 @@ class IpcSocket:
         :raises anyio.ClosedResourceError: if the socket is (or gets) closed.
         """
         data = pack(message)
-        await anyio.lowlevel.checkpoint()
-        async with self._lock:
-            while True:
-                sock = self._require()
-                try:
-                    sock.send(data, zmq.NOBLOCK)
-                    return
-                except zmq.Again:
-                    pass
-                await self._wait(sock, zmq.POLLOUT)
+        await self._when_ready(zmq.POLLOUT, lambda sock: sock.send(data, zmq.NOBLOCK))
 
     async def receive(self) -> bytes:
         """Wait for the next message and return its bytes.
 
         :raises anyio.ClosedResourceError: if the socket is (or gets) closed.
         """
+        data: bytes = await self._when_ready(zmq.POLLIN, lambda sock: sock.recv(zmq.NOBLOCK))
+        return data
+
+    async def _when_ready(self, event: int, attempt: Callable[[zmq.Socket[Any]], _T]) -> _T:
+        """``attempt`` on the socket once ZMQ can do it without blocking (``event``)."""
         await anyio.lowlevel.checkpoint()
         async with self._lock:
             while True:
-                sock = self._require()
+                sock = self._socket
+                if sock is None:
+                    raise anyio.ClosedResourceError
                 try:
-                    data: bytes = sock.recv(zmq.NOBLOCK)
-                    return data
+                    return attempt(sock)
                 except zmq.Again:
                     pass
-                await self._wait(sock, zmq.POLLIN)
-
-    async def _wait(self, sock: zmq.Socket[Any], event: int) -> None:
-        while not cast(int, sock.getsockopt(zmq.EVENTS)) & event:
-            await anyio.wait_readable(self._fd)
+                while not cast(int, sock.getsockopt(zmq.EVENTS)) & event:
+                    await anyio.wait_readable(self._fd)
 
     def close(self, *, linger_ms: int = 0) -> None:
         """Close the socket; a task waiting on it gets ``ClosedResourceError``. Messages

@@ -39,6 +39,8 @@ _EXIT_POLL_S: Final = 0.05
 _KILL_STEP_S: Final = 5.0
 #: How long a worker's startup failure report may trail its exit.
 _FAILURE_REPORT_GRACE_S: Final = 2.0
+#: The folder holding this encdisagg, first on a worker's path: it imports the front's code.
+_PACKAGE_ROOT: Final = str(Path(__file__).resolve().parents[3])
 
 
 @dataclass(eq=False)
@@ -118,12 +120,6 @@ class DpWorker:
             )
 
 
-def _package_root() -> str:
-    import encdisagg
-
-    return str(Path(encdisagg.__file__).resolve().parent.parent)
-
-
 class WorkerSupervisor:
     """Starts, watches and stops the worker processes of one data-parallel front.
 
@@ -151,33 +147,39 @@ class WorkerSupervisor:
         self._policy = RestartPolicy(
             limit=settings.worker_restart_limit, window_s=settings.worker_restart_window_s
         )
-        #: What starting a rank again needs: results URL, backend, task group; config files.
+        #: What starting a rank (again) needs: results URL, backend, task group; config files.
         self._spawn_args: tuple[str, str, ServiceTaskGroup] | None = None
-        self._config_files: dict[int, Path] = {}
+        self._config_files: list[Path] = []
         #: Set once stopping began: exits from then on are expected.
         self.stopping = False
         #: Set once every worker reported ready: exits from then on are deaths.
         self._all_ready = False
 
-    async def spawn(
+    async def start(
         self,
-        worker: DpWorker,
         *,
         results_url: str,
-        config_file: Path,
+        config_files: Sequence[Path],
         backend_name: str,
         group: ServiceTaskGroup,
     ) -> None:
-        """Start ``worker``'s process and its watcher (in ``group``). A checkpoint."""
+        """Start every worker's process (``config_files`` by rank) and its watcher (in
+        ``group``). A checkpoint."""
         self._spawn_args = (results_url, backend_name, group)
-        self._config_files[worker.rank] = config_file
+        self._config_files = list(config_files)
+        for worker in self._workers:
+            await self._spawn(worker)
+
+    async def _spawn(self, worker: DpWorker) -> None:
+        assert self._spawn_args is not None
+        results_url, backend_name, group = self._spawn_args
         settings = self._settings
         options: dict[str, object] = {
             "--rank": worker.rank,
             "--work": worker.work.url,
             "--control": worker.control.url,
             "--results": results_url,
-            "--config-file": config_file,
+            "--config-file": self._config_files[worker.rank],
             "--backend": backend_name,
             "--parent-pid": os.getpid(),
             "--health-timeout": settings.health_timeout_s,
@@ -189,9 +191,8 @@ class WorkerSupervisor:
         if settings.freeze_heap:
             command.append("--freeze-heap")
         env = dict(os.environ)
-        root = _package_root()
         env["PYTHONPATH"] = os.pathsep.join(
-            [root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+            [_PACKAGE_ROOT, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
         )
         # A session of their own: a terminal's Ctrl-C reaches the front alone, which then
         # stops the workers in order.
@@ -287,20 +288,12 @@ class WorkerSupervisor:
         await anyio.sleep(delay_s)
         if self.stopping:
             return
-        assert self._spawn_args is not None
-        results_url, backend_name, group = self._spawn_args
         worker.renew(*self._channels(worker))
         _log.warning("starting %s again (restart %d)", worker.describe(), worker.restarts)
         try:
             # Shielded: a process started must be watched, whatever cancels this task.
             with anyio.CancelScope(shield=True):
-                await self.spawn(
-                    worker,
-                    results_url=results_url,
-                    config_file=self._config_files[worker.rank],
-                    backend_name=backend_name,
-                    group=group,
-                )
+                await self._spawn(worker)
         except OSError as exc:
             _log.error("could not start %s again: %s", worker.describe(), exc)
             self._exited(worker, -1)
