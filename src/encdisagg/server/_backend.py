@@ -108,8 +108,13 @@ async def release_within(
         log.warning("releasing req_id %r failed: %s", req_id, exc)
 
 
-def _probe_png(index: int) -> str:
-    """A tiny PNG data URL whose pixels differ per probe, so no cache can answer it."""
+def _probe_item(model: object, index: int) -> tuple[str, Modality]:
+    """The probe's item and modality: a 0.1 s WAV for a model that encodes audio and no
+    images, else a tiny PNG data URL; either differs per probe, so no cache can answer it."""
+    if ModelOptions.of(model).modalities == frozenset({Modality.AUDIO}):
+        from ..models._media._waveforms import probe_wav
+
+        return probe_wav(index), Modality.AUDIO
     import base64
 
     from PIL import Image
@@ -124,17 +129,8 @@ def _probe_png(index: int) -> str:
     )
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _probe_item(model: object, index: int) -> tuple[str, Modality]:
-    """The probe's item and modality: a tiny PNG, or a 0.1 s WAV for a model that encodes
-    audio and no images."""
-    if ModelOptions.of(model).modalities == frozenset({Modality.AUDIO}):
-        from ..models._media._waveforms import probe_wav
-
-        return probe_wav(index), Modality.AUDIO
-    return _probe_png(index), Modality.IMAGE
+    png = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return "data:image/png;base64," + png, Modality.IMAGE
 
 
 @dataclass(eq=False)

@@ -314,12 +314,15 @@ class ReleaseBody(_Body, frozen=True):
 
 def result_json(result: EncodeResult, part_idx: int) -> dict[str, Any]:
     """The answer of ``/encode`` and ``/scheduler_receive_meta_data`` (SGLang's names)."""
-    return {
+    answer = {
         **metadata_json(result.req_id, part_idx, result),
         "token_counts": list(result.token_counts),
         "grid": [list(row) for row in result.grid],
-        **_timing_json(result),
     }
+    # Only video answers carry timing: image and audio answers stay as they were.
+    if result.video_timing is not None:
+        answer["video_timing"] = timing_to_wire(result.video_timing)
+    return answer
 
 
 def metadata_json(req_id: str, part_idx: int, result: EncodeResult) -> dict[str, Any]:
@@ -332,13 +335,6 @@ def metadata_json(req_id: str, part_idx: int, result: EncodeResult) -> dict[str,
         "embedding_len": result.num_tokens,
         "embedding_dim": result.hidden_size,
     }
-
-
-def _timing_json(result: EncodeResult) -> dict[str, Any]:
-    # Only video answers carry timing: image and audio answers stay as they were.
-    if result.video_timing is None:
-        return {}
-    return {"video_timing": timing_to_wire(result.video_timing)}
 
 
 def result_to_wire(result: EncodeResult) -> dict[str, Any]:
@@ -363,15 +359,7 @@ def result_from_wire(value: object) -> EncodeResult:
 
     :raises BadRequestError: naming the invalid field.
     """
-    wire = decode_fields(value, _ResultWire, "encode result")
-    timing = wire.video_timing
-    return EncodeResult(
-        req_id=wire.req_id,
-        num_tokens=wire.num_tokens,
-        hidden_size=wire.hidden_size,
-        dtype=wire.dtype,
-        nbytes=wire.nbytes,
-        token_counts=wire.token_counts,
-        grid=wire.grid,
-        video_timing=None if timing is None else timing_from_wire(timing),
-    )
+    fields = msgspec.structs.asdict(decode_fields(value, _ResultWire, "encode result"))
+    if fields["video_timing"] is not None:
+        fields["video_timing"] = timing_from_wire(fields["video_timing"])
+    return EncodeResult(**fields)

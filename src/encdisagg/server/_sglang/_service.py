@@ -229,8 +229,7 @@ class SglangService(anyio.AsyncContextManagerMixin):
         )
         entry = self._destinations.get(message.req_id)
         if entry.failure is not None and new:
-            error_msg, error_code = entry.failure
-            await self._push_errors(message.req_id, new, error_msg, error_code)
+            await self._push_errors(message.req_id, new, *entry.failure)
         await anyio.lowlevel.checkpoint()
         return None
 
