@@ -146,7 +146,10 @@ class Delivery:
             header = _header(record, self._layout)
             if record.trace is not None:
                 # The receiver's spans continue the trace of this push (its transfer span).
-                header = dataclasses.replace(header, traceparent=_traceparent(record.trace))
+                parent = _tracing.current_traceparent()
+                if parent is None:
+                    parent = record.trace.traceparent()
+                header = dataclasses.replace(header, traceparent=parent)
         url = destination.url
         payload = None
         on_still_held = None
@@ -167,12 +170,6 @@ class Delivery:
         # the staged memory is held until it does).
         with job.waiting():
             await self._zmq.send(url, header, payload, on_still_held=on_still_held)
-
-
-def _traceparent(encode_trace: _tracing.Trace) -> str | None:
-    current = _tracing.current()
-    value = None if current is None else current.traceparent()
-    return value if value is not None else encode_trace.traceparent()
 
 
 def _hold_of(error: TransferTimeoutError, req_id: str, staged: Staged) -> Hold:

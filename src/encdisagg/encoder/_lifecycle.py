@@ -240,7 +240,12 @@ class RequestLifecycle:
         if rows.shape != (metadata.num_tokens, metadata.hidden_size) or (
             rows.dtype != compute.model.dtype
         ):
-            _fail_layout(rows, metadata)
+            raise InternalError(
+                f"req_id {record.req_id!r}: the model produced {list(rows.shape)} {rows.dtype}, "
+                f"but its preprocessing promised {[metadata.num_tokens, metadata.hidden_size]} "
+                f"{metadata.dtype}",
+                req_id=record.req_id,
+            )
         if rows.requires_grad:
             rows = rows.detach()
         if trace is None:
@@ -452,12 +457,3 @@ class RequestLifecycle:
             if record.handover is not None:
                 # Its first deregistration attempt; a failed one is retried by the owner.
                 await record.handover.attempted.wait()
-
-
-def _fail_layout(rows: torch.Tensor, metadata: EncodeResult) -> None:
-    expected = (metadata.num_tokens, metadata.hidden_size)
-    raise InternalError(
-        f"req_id {metadata.req_id!r}: the model produced {list(rows.shape)} "
-        f"{rows.dtype}, but its preprocessing promised {list(expected)} {metadata.dtype}",
-        req_id=metadata.req_id,
-    )

@@ -270,7 +270,10 @@ class DecodeScheduler:
         into the batch scheduler's waiting queue."""
         while self._inbox:
             self._handle(self._inbox.popleft())
-        self._resolve_held()
+        resolution = self.transfer.resolve_deferred()
+        self._drained += len(resolution.drained)
+        self._timed_out += len(resolution.timed_out)
+        self._retirements += len(resolution.retired)
         passed = self.prealloc.pop_preallocated(self._polls)
         for gone in passed.failed:
             job = self.jobs.get(gone.rid)
@@ -331,12 +334,6 @@ class DecodeScheduler:
                 self.finish(job, DecodeStatus.FAILED, running.error, tokens)
             else:
                 self.finish(job, DecodeStatus.COMPLETED, tokens=tokens)
-
-    def _resolve_held(self) -> None:
-        resolution = self.transfer.resolve_deferred()
-        self._drained += len(resolution.drained)
-        self._timed_out += len(resolution.timed_out)
-        self._retirements += len(resolution.retired)
 
     def _handle(self, message: DecodeMessage) -> None:
         if isinstance(message, DrainedAck):

@@ -132,13 +132,12 @@ class AbortTombstones:
     (an abort with one, for a room not running here, is acked at once instead).
     """
 
-    def __init__(self, limit: int = _TOMBSTONES) -> None:
-        self._limit = limit
+    def __init__(self) -> None:
         self._rooms: OrderedDict[int, None] = OrderedDict()
 
     def remember(self, room: int) -> None:
         self._rooms[room] = None
-        while len(self._rooms) > self._limit:
+        while len(self._rooms) > _TOMBSTONES:
             self._rooms.popitem(last=False)
 
     def forget(self, room: int) -> bool:
