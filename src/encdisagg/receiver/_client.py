@@ -422,7 +422,13 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         :raises EncoderCallError: (502) the answer is not metadata, or another part's (the
             index is checked on ``/encode``, whose body named it).
         """
-        answer = await self._post(part, route, body, timeout_s, answer=True)
+        response = await self._post(part, route, body, timeout_s)
+        try:
+            answer = response.json()
+        except ValueError:
+            raise self._error(
+                part, route, UNREACHABLE, "answered with a body that is not JSON"
+            ) from None
         try:
             metadata = PartMetadata.from_json(answer)
         except BadRequestError as exc:
@@ -435,24 +441,11 @@ class EncoderClient(anyio.AsyncContextManagerMixin):
         return metadata
 
     async def _post(
-        self,
-        part: PartPlan,
-        route: str,
-        body: dict[str, Any],
-        timeout_s: float,
-        *,
-        answer: bool = False,
-    ) -> Any:
-        """POST ``body``; the decoded JSON answer if ``answer``, else ``None`` (``/send``
-        answers ``null``: only the status counts)."""
+        self, part: PartPlan, route: str, body: dict[str, Any], timeout_s: float
+    ) -> httpx.Response:
+        """POST ``body``; the response, refused unless its status is below 400 (all ``/send``
+        needs: it answers ``null``)."""
         response = await self._call(part, route, body, timeout_s)
         if response.status_code >= 400:
             raise self._answer_error(part, route, response)
-        if not answer:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            raise self._error(
-                part, route, UNREACHABLE, "answered with a body that is not JSON"
-            ) from None
+        return response

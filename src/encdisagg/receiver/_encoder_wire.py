@@ -12,7 +12,7 @@ import base64
 import io
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final, Self
 
@@ -205,13 +205,7 @@ class MooncakeSendTarget:
     embedding_port: int
 
     def body(self, req_id: str) -> dict[str, Any]:
-        return {
-            "req_id": req_id,
-            "session_id": self.session_id,
-            "buffer_address": self.buffer_address,
-            "prefill_host": self.prefill_host,
-            "embedding_port": self.embedding_port,
-        }
+        return {"req_id": req_id, **asdict(self)}
 
 
 SendTarget = ZmqSendTarget | MooncakeSendTarget

@@ -290,13 +290,10 @@ class LandingPool:
             await registration.open()
             yield self
         finally:
-            await self._close_registration(registration, close_timeout_s)
-
-    async def _close_registration(self, registration: MemoryRegistration, timeout_s: float) -> None:
-        if registration.held:
-            registration.leave(
-                f"{len(self.ledger)} of its page runs are held: a write may still land in them"
-            )
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-            return
-        await registration.close(timeout_s=timeout_s)
+            if registration.held:
+                registration.leave(
+                    f"{len(self.ledger)} of its page runs are held: a write may still land in them"
+                )
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+            else:
+                await registration.close(timeout_s=close_timeout_s)
