@@ -371,9 +371,6 @@ class DecodeTransferQueue:
             )
         )
         self.ledger.add(hold)
-        self._tell_sink(req, hold)
-
-    def _tell_sink(self, req: DecodeRequest, hold: Hold) -> None:
         try:
             self.kv.hold(req, hold)
         except Exception:
