@@ -26,7 +26,6 @@ __all__ = [
     "TransferTimeoutError",
     "error_of_status",
     "grpc_code_of",
-    "status_of",
 ]
 
 
@@ -137,11 +136,6 @@ WIRE_ANSWERS: Final[Mapping[type[EncdisaggError], tuple[int, str]]] = {
 for _error, (_status, _) in WIRE_ANSWERS.items():
     _error.status = _status
 del _error, _status
-
-
-def status_of(exc: BaseException) -> int:
-    """The HTTP status for ``exc``: its ``status`` if it is ours, else 500."""
-    return exc.status if isinstance(exc, EncdisaggError) else 500
 
 
 def grpc_code_of(exc: BaseException) -> str:

@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 from PIL import Image
 
-from .._errors import EncdisaggError, status_of
+from .._errors import EncdisaggError
 from ..pipeline._demo_types import ProgressBar
 from ..receiver import EncoderClient
 
@@ -108,8 +108,8 @@ async def run_load(
                 try:
                     await client.encode(plan)
                 except EncdisaggError as exc:
-                    result.errors[status_of(exc)] += 1
-                    progress.advance(str(status_of(exc)))
+                    result.errors[exc.status] += 1
+                    progress.advance(str(exc.status))
                     return
                 await client.release(plan.parts)
                 result.latencies_s.append(time.perf_counter() - begun)

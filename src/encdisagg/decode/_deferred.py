@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..transfer import Hold
 from ._request import DecodeRequest
 
-__all__ = ["DeferredResolution", "HeldRelease", "hold_for", "log_retired", "log_reused"]
+__all__ = ["DeferredResolution", "HeldRelease", "log_retired", "log_reused"]
 
 _log = logging.getLogger("encdisagg.decode")
 
@@ -41,15 +41,6 @@ class HeldRelease:
     #: Clock reading when its deadline found it without every ack under ``RETIRE``;
     #: ``None`` while it still waits for its deadline.
     retired_at: float | None = None
-
-
-def hold_for(req: DecodeRequest, generation: int, page_bytes: int) -> Hold:
-    """The hold of a request held for the drain of ``generation``; ``page_bytes`` per page."""
-    what = (
-        f"{len(req.pages)} KV pages and metadata slot {req.metadata_slot} of request "
-        f"{req.rid!r} (room {req.room}, abort generation {generation})"
-    )
-    return Hold(what, len(req.pages) * page_bytes)
 
 
 def _held_for(entry: HeldRelease, acked: int, now: float) -> tuple[object, ...]:

@@ -18,7 +18,7 @@ from .._errors import InternalError
 from .._numbers import real, whole
 from ..transfer import HeldLedger, Hold, HoldPolicy
 from ._acks import AbortAckTracker
-from ._deferred import DeferredResolution, HeldRelease, hold_for, log_retired, log_reused
+from ._deferred import DeferredResolution, HeldRelease, log_retired, log_reused
 from ._poll import KVPoll
 from ._request import DecodeRequest
 from ._slots import MetadataSlotAllocator
@@ -359,7 +359,11 @@ class DecodeTransferQueue:
             generation = self._adopt_or_arm(req.room)
             req.generation = generation
         now = self._clock()
-        hold = hold_for(req, generation, self.page_bytes)
+        hold = Hold(
+            f"{len(req.pages)} KV pages and metadata slot {req.metadata_slot} of request "
+            f"{req.rid!r} (room {req.room}, abort generation {generation})",
+            len(req.pages) * self.page_bytes,
+        )
         self._entries.append(
             HeldRelease(
                 req=req,
@@ -371,9 +375,6 @@ class DecodeTransferQueue:
             )
         )
         self.ledger.add(hold)
-        self._tell_sink(req, hold)
-
-    def _tell_sink(self, req: DecodeRequest, hold: Hold) -> None:
         try:
             self.kv.hold(req, hold)
         except Exception:
