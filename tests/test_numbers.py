@@ -39,7 +39,7 @@ def test_refusals_take_the_callers_error() -> None:
         (True, {}, "a finite number"),
         (math.nan, {"finite": False}, "a number"),
         (math.inf, {"above": 0}, "a finite positive number"),
-        (-0.5, {"least": 0, "finite": False}, "a number >= 0"),
+        (-0.5, {"least": 0, "finite": False}, "a non-negative number"),
         (1, {"above": 1}, "a finite number > 1"),
     ],
 )

@@ -52,6 +52,8 @@ def real(
             wanted = "positive number"
         elif above is not None:
             wanted = f"number > {above}"
+        elif least == 0:
+            wanted = "non-negative number"  # as whole() words it
         else:
             wanted = "number" if least is None else f"number >= {least}"
         wanted = f"a finite {wanted}" if finite else f"a {wanted}"
