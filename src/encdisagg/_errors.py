@@ -47,12 +47,10 @@ class EncdisaggError(Exception):
         return self.message
 
     def __reduce__(self) -> tuple[object, ...]:
-        # Keeps errors copyable across process boundaries we own (never from sockets).
-        return (_rebuild_error, (type(self), self.message, self.req_id))
-
-
-def _rebuild_error(cls: type[EncdisaggError], message: str, req_id: str | None) -> EncdisaggError:
-    return cls(message, req_id=req_id)
+        # Keeps errors copyable across process boundaries we own (never from sockets). The
+        # copy is made from the attributes, not through the constructor, so a subclass whose
+        # constructor takes other arguments copies too.
+        return (type(self).__new__, (type(self), self.message), self.__dict__)
 
 
 class BadRequestError(EncdisaggError):
@@ -103,6 +101,10 @@ class TransferTimeoutError(TransferError):
     def __init__(self, message: str, *, req_id: str | None = None, hold: object = None) -> None:
         super().__init__(message, req_id=req_id)
         self.hold = hold
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # The hold is the engine's live object: a copy carries none.
+        return (*super().__reduce__()[:2], {**self.__dict__, "hold": None})
 
 
 class ServiceUnavailableError(EncdisaggError):

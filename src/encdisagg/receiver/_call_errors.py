@@ -5,7 +5,6 @@ error a caller sees of a task group of calls."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Final
 
 import anyio
@@ -56,17 +55,6 @@ class EncoderCallError(EncdisaggError):
         # Per instance: the status is the encoder's answer, not a property of the class.
         self.__dict__["status"] = status
 
-    def __reduce__(self) -> tuple[object, ...]:
-        rebuild = partial(
-            EncoderCallError,
-            url=self.url,
-            route=self.route,
-            status=self.status,
-            part_idx=self.part_idx,
-            req_id=self.req_id,
-        )
-        return (rebuild, (self.message,))
-
 
 class EncoderLeftError(ServiceUnavailableError):
     """An encoder left the registry (its lease ran out, or it drained) while it held an
@@ -75,10 +63,6 @@ class EncoderLeftError(ServiceUnavailableError):
     def __init__(self, url: str, rid: str) -> None:
         super().__init__(f"encoder {url} left the registry during request {rid!r}", req_id=rid)
         self.url = url
-
-    def __reduce__(self) -> tuple[object, ...]:
-        # The base rebuilds from the message; this constructor takes the URL and the rid.
-        return (type(self), (self.url, self.req_id))
 
 
 @dataclass(frozen=True, slots=True)
